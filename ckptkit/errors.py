@@ -1,0 +1,37 @@
+"""The exceptions ckptkit raises: one hierarchy under :class:`CheckpointError`.
+
+Every message names what it is about (a file, a key, a pickle global) so a user can act on it.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptkit raises (a plain ``Exception``, unlike torch's)."""
+
+
+class FormatError(CheckpointError):
+    """The path is not a checkpoint ckptkit recognises, or its structure is inconsistent."""
+
+
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs does not exist (or cannot be reached)."""
+
+
+class CorruptRecordError(CheckpointError):
+    """A byte record cannot be decoded: truncated, wrong framing, or disagreeing with metadata."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A pickle references a global outside the allowlist; nothing from it was imported or run."""
+
+    def __init__(self, message: str, *, global_name: str | None = None) -> None:
+        super().__init__(message)
+        self.global_name = global_name
+
+
+class KeyNotFoundError(CheckpointError, KeyError):
+    """The checkpoint has no entry with that key."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""

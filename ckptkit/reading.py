@@ -1,0 +1,245 @@
+"""Reading values out of a catalog: tensors assembled from their chunks, objects decoded safely.
+
+Format-free: it sees only entries, chunks and records. Tensors are assembled in numpy (torch is
+imported only to hand back a ``torch.Tensor``), a bounded batch of records at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .catalog import Chunk, Encoding, Entry, Record
+from .errors import CorruptRecordError, FormatError
+from .records import (
+    SafetensorsHeader,
+    TensorData,
+    decode_object_record,
+    decode_tensor_record,
+    parse_safetensors_header,
+    safetensors_header_length,
+    undo_transform,
+)
+from .storage import Storage
+from .unpickler import Opaque, TensorRef
+
+#: Records fetched together for one tensor, at most (bytes); bounds memory while assembling.
+BATCH_BYTES = 64 << 20
+
+
+class Reader:
+    """Fetches and decodes records of one checkpoint location."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._safetensors_headers: dict[tuple[str, int], SafetensorsHeader] = {}
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def read_array(self, entry: Entry) -> np.ndarray:
+        """The whole tensor as a numpy array (bfloat16/fp8 as same-sized unsigned ints)."""
+        if entry.kind != "tensor" or entry.dtype is None or entry.shape is None:
+            raise FormatError(f"{entry.key!r} is not a tensor")
+        out = np.empty(entry.shape, dtype=dtypes.to_numpy(entry.dtype))
+        chunks = _distinct_chunks(entry)
+        for batch in _batches([c for c in chunks if c.record is not None]):
+            for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
+                _place(out, chunk, data, entry, self.storage.describe(chunk.record.file))
+        return out
+
+    def read_tensor(self, entry: Entry):
+        """The whole tensor as a ``torch.Tensor`` with the entry's dtype (imports torch)."""
+        import torch
+
+        array = self.read_array(entry)
+        return torch.from_numpy(array).view(dtypes.to_torch(entry.dtype))
+
+    def _decode_tensors(self, entry: Entry, chunks: list[Chunk]) -> list[TensorData]:
+        records = [c.record for c in chunks]
+        self._load_safetensors_headers([r for r in records if r.encoding is Encoding.SAFETENSORS])
+        ranges = [self._byte_range(r) for r in records]
+        blobs = self.storage.read_ranges(ranges)
+        out = []
+        for chunk, (_, start, _), blob in zip(chunks, ranges, blobs, strict=True):
+            record = chunk.record
+            source = f"{self.storage.describe(record.file)} @{start} ({entry.key})"
+            if record.encoding is Encoding.TORCH_SAVE:
+                data = decode_tensor_record(undo_transform(blob, record.transform, source), source)
+            elif record.encoding is Encoding.SAFETENSORS:
+                dt, shape, _, _ = self._safetensors_entry(record)
+                data = TensorData(dt, shape, _row_major(shape), 0, memoryview(blob))
+            else:
+                shape = chunk.sizes
+                stride = record.stride or _row_major(shape)
+                data = TensorData(
+                    entry.dtype, shape, stride, record.storage_offset, memoryview(blob)
+                )
+            if data.dtype != entry.dtype:
+                raise CorruptRecordError(
+                    f"{source}: record holds {data.dtype.name}, metadata says {entry.dtype.name}"
+                )
+            out.append(data)
+        return out
+
+    def _byte_range(self, record: Record) -> tuple[str, int, int]:
+        if record.encoding is Encoding.SAFETENSORS:
+            _, _, begin, end = self._safetensors_entry(record)
+            header = self._safetensors_headers[(record.file, record.offset)]
+            start = record.offset + header.data_start + begin
+            return (record.file, start, start + (end - begin))
+        return (record.file, record.offset, record.offset + record.length)
+
+    def _safetensors_entry(self, record: Record):
+        header = self._safetensors_headers[(record.file, record.offset)]
+        found = header.tensors.get(record.name)
+        if found is None:
+            raise CorruptRecordError(
+                f"{self.storage.describe(record.file)}: safetensors blob at {record.offset} has no tensor {record.name!r}"
+            )
+        return found
+
+    def _load_safetensors_headers(self, records: list[Record]) -> None:
+        blobs = sorted({(r.file, r.offset) for r in records} - self._safetensors_headers.keys())
+        if not blobs:
+            return
+        prefixes = self.storage.read_ranges([(f, o, o + 8) for f, o in blobs])
+        lengths = [
+            safetensors_header_length(p, self.storage.describe(f))
+            for (f, _), p in zip(blobs, prefixes, strict=True)
+        ]
+        raws = self.storage.read_ranges(
+            [(f, o + 8, o + 8 + n) for (f, o), n in zip(blobs, lengths, strict=True)]
+        )
+        for (file, offset), raw in zip(blobs, raws, strict=True):
+            self._safetensors_headers[(file, offset)] = parse_safetensors_header(
+                raw, self.storage.describe(file)
+            )
+
+    # -- objects ---------------------------------------------------------------------------
+
+    def read_objects(self, entries: list[Entry], *, tensors: str = "torch") -> list[Any]:
+        """Decode object entries in one batch of reads.
+
+        ``tensors="torch"`` turns tensors inside objects into ``torch.Tensor`` (imports torch);
+        ``tensors="ref"`` leaves them as descriptions, which needs no torch.
+        """
+        records = []
+        for entry in entries:
+            if entry.kind != "object" or not entry.chunks or entry.chunks[0].record is None:
+                raise FormatError(f"{entry.key!r} is not an object entry")
+            records.append(entry.chunks[0].record)
+        blobs = self.storage.read_ranges([(r.file, r.offset, r.offset + r.length) for r in records])
+        values = []
+        for entry, record, blob in zip(entries, records, blobs, strict=True):
+            source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
+            value, archive = decode_object_record(
+                undo_transform(blob, record.transform, source), source
+            )
+            if tensors == "torch":
+                value = _materialize(
+                    value, lambda ref, a=archive, s=source: _to_torch(a.tensor(ref), s)
+                )
+            values.append(value)
+        return values
+
+
+def _distinct_chunks(entry: Entry) -> list[Chunk]:
+    """Chunks with replicas (the same box saved by several ranks) dropped; checks coverage."""
+    seen: dict[tuple, Chunk] = {}
+    for chunk in entry.chunks:
+        seen.setdefault((chunk.flat, chunk.offsets, chunk.sizes), chunk)
+    chunks = list(seen.values())
+    covered = sum(c.numel for c in chunks)
+    if covered != entry.numel:
+        raise FormatError(f"{entry.key!r}: chunks cover {covered} of {entry.numel} elements")
+    return chunks
+
+
+def _batches(chunks: list[Chunk]) -> Iterator[list[Chunk]]:
+    batch: list[Chunk] = []
+    size = 0
+    for chunk in chunks:
+        if batch and size + chunk.record.length > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(chunk)
+        size += chunk.record.length
+    if batch:
+        yield batch
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def strided_view(data: TensorData, source: str) -> np.ndarray:
+    """A read-only numpy view of the elements ``data`` describes (no copy)."""
+    np_dtype = dtypes.to_numpy(data.dtype)
+    itemsize = np_dtype.itemsize
+    if math.prod(data.shape) == 0:
+        return np.empty(data.shape, dtype=np_dtype)
+    extent = (
+        data.storage_offset
+        + 1
+        + sum((n - 1) * s for n, s in zip(data.shape, data.stride, strict=True))
+    )
+    available = len(data.buffer) // itemsize
+    if extent > available or data.storage_offset < 0 or min(data.stride, default=0) < 0:
+        raise CorruptRecordError(
+            f"{source}: tensor {list(data.shape)} with strides {list(data.stride)} needs {extent} "
+            f"elements, the storage has {available}"
+        )
+    base = np.frombuffer(data.buffer, dtype=np_dtype, count=available)[data.storage_offset :]
+    return np.lib.stride_tricks.as_strided(
+        base, data.shape, tuple(s * itemsize for s in data.stride), writeable=False
+    )
+
+
+def _place(out: np.ndarray, chunk: Chunk, data: TensorData, entry: Entry, source: str) -> None:
+    view = strided_view(data, source)
+    if chunk.flat:
+        if view.size != chunk.numel:
+            raise CorruptRecordError(
+                f"{source}: {entry.key!r} flat chunk holds {view.size} elements, expected {chunk.numel}"
+            )
+        start = chunk.offsets[0]
+        out.reshape(-1)[start : start + chunk.numel] = view.reshape(-1)
+        return
+    if view.shape != chunk.sizes:
+        raise CorruptRecordError(
+            f"{source}: {entry.key!r} record holds shape {list(view.shape)}, metadata says {list(chunk.sizes)}"
+        )
+    out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))] = view
+
+
+def _to_torch(data: TensorData, source: str):
+    import torch
+
+    array = np.array(strided_view(data, source))  # copy: own, writable memory
+    return torch.from_numpy(array).view(dtypes.to_torch(data.dtype))
+
+
+def _materialize(value: Any, convert) -> Any:
+    """``value`` with every tensor description replaced by ``convert(ref)``."""
+    if isinstance(value, TensorRef):
+        return convert(value)
+    if isinstance(value, dict):
+        out = value.copy()
+        for k, v in value.items():
+            out[k] = _materialize(v, convert)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(_materialize(v, convert) for v in value)
+    if isinstance(value, Opaque):
+        value.args = tuple(_materialize(v, convert) for v in value.args)
+        value.state = _materialize(value.state, convert)
+        value.items = [_materialize(v, convert) for v in value.items]
+    return value

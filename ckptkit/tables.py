@@ -1,0 +1,233 @@
+"""pandas DataFrames over a catalog: tensors, chunks, files, objects, and a summary.
+
+Only ``files`` (sizes on disk) and ``objects`` (previews) touch storage; none reads tensor bytes.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from .catalog import Catalog, Entry
+
+_preview_repr = reprlib.Repr()
+_preview_repr.maxstring = 60
+_preview_repr.maxother = 60
+_preview_repr.maxlist = _preview_repr.maxtuple = _preview_repr.maxdict = _preview_repr.maxset = 8
+PREVIEW_CHARS = 100
+
+
+def tensors_table(catalog: Catalog) -> pd.DataFrame:
+    """One row per tensor: key, group, dtype, shape, numel, nbytes, n_chunks, sharded_dims."""
+    rows = [
+        (
+            entry.key,
+            entry.group,
+            entry.dtype.name,
+            entry.shape,
+            entry.numel,
+            entry.nbytes,
+            len({(c.offsets, c.flat) for c in entry.chunks}),  # replicas of one box count once
+            _sharded_dims(entry),
+        )
+        for entry in catalog.tensors()
+    ]
+    columns = ["key", "group", "dtype", "shape", "numel", "nbytes", "n_chunks", "sharded_dims"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _sharded_dims(entry: Entry) -> tuple[int | str, ...]:
+    """Dimensions along which chunks split the tensor (``("flat",)`` for flat shards)."""
+    if any(c.flat for c in entry.chunks):
+        return ("flat",)
+    dims: set[int] = set()
+    for sizes in {c.sizes for c in entry.chunks}:
+        dims.update(d for d, (n, full) in enumerate(zip(sizes, entry.shape, strict=True)) if n != full)
+    return tuple(sorted(dims))
+
+
+def chunks_table(catalog: Catalog) -> pd.DataFrame:
+    """One row per stored tensor chunk: its box in the tensor and its bytes in a file."""
+    rows = []
+    for entry in catalog.tensors():
+        for chunk in entry.chunks:
+            record = chunk.record
+            rows.append(
+                (
+                    entry.key,
+                    chunk.offsets,
+                    chunk.sizes,
+                    chunk.numel,
+                    chunk.rank,
+                    record.file if record else None,
+                    record.offset if record else None,
+                    record.length if record else 0,
+                    record.encoding.value if record else None,
+                    record.transform if record else None,
+                )
+            )
+    columns = [
+        "key",
+        "offsets",
+        "sizes",
+        "numel",
+        "rank",
+        "file",
+        "offset",
+        "length",
+        "encoding",
+        "transform",
+    ]
+    frame = pd.DataFrame(rows, columns=columns)
+    for column in ("rank", "offset"):
+        frame[column] = frame[column].astype("Int64")
+    return frame
+
+
+def files_table(catalog: Catalog, sizes: dict[str, int | None]) -> pd.DataFrame:
+    """One row per data file: size on disk, records, element and object bytes, framing."""
+    records: dict[str, int] = defaultdict(int)
+    tensor_bytes: dict[str, int] = defaultdict(int)
+    object_bytes: dict[str, int] = defaultdict(int)
+    ranks: dict[str, int | None] = {}
+    for entry in catalog.entries.values():
+        for chunk in entry.chunks:
+            if chunk.record is None:
+                continue
+            file = chunk.record.file
+            records[file] += 1
+            ranks.setdefault(file, chunk.rank)
+            if entry.kind == "tensor":
+                tensor_bytes[file] += chunk.numel * entry.dtype.itemsize
+            else:
+                object_bytes[file] += chunk.record.length
+    rows = []
+    for file in catalog.files:
+        size = sizes.get(file)
+        framing = size - tensor_bytes[file] - object_bytes[file] if size is not None else None
+        rows.append(
+            (
+                file,
+                ranks.get(file),
+                size,
+                records[file],
+                tensor_bytes[file],
+                object_bytes[file],
+                framing,
+            )
+        )
+    columns = ["file", "rank", "size", "records", "tensor_bytes", "object_bytes", "overhead_bytes"]
+    frame = pd.DataFrame(rows, columns=columns)
+    for column in ("rank", "size", "overhead_bytes"):
+        frame[column] = frame[column].astype("Int64")
+    return frame
+
+
+def objects_table(catalog: Catalog, values: list[Any] | None) -> pd.DataFrame:
+    """One row per stored object record: key, group, file, nbytes, rank, type and a preview."""
+    rows = []
+    entries = catalog.objects()
+    for i, entry in enumerate(entries):
+        value = values[i] if values is not None else None
+        for chunk in entry.chunks[:1] if values is not None else entry.chunks:
+            record = chunk.record
+            rows.append(
+                (
+                    entry.key,
+                    entry.group,
+                    record.file,
+                    record.length,
+                    chunk.rank,
+                    _type_name(value) if values is not None else None,
+                    preview(value) if values is not None else None,
+                )
+            )
+    frame = pd.DataFrame(
+        rows, columns=["key", "group", "file", "nbytes", "rank", "type", "preview"]
+    )
+    frame["rank"] = frame["rank"].astype("Int64")
+    return frame
+
+
+def preview(value: Any) -> str:
+    """A short, safe one-line rendering of a decoded object (never calls unknown code)."""
+    text = _preview_repr.repr(value)
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
+
+
+def _type_name(value: Any) -> str:
+    global_name = getattr(type(value), "global_name", None)
+    return global_name if global_name else type(value).__name__
+
+
+@dataclass
+class Summary:
+    """Totals of a checkpoint: by group, by dtype, by file/rank, and the parameter count."""
+
+    by_group: pd.DataFrame
+    by_dtype: pd.DataFrame
+    by_file: pd.DataFrame
+    by_rank: pd.DataFrame
+    parameters: int
+    total_bytes: int
+
+    def _repr_html_(self) -> str:
+        parts = [
+            f"<p><b>{self.parameters:,}</b> parameters, <b>{human_bytes(self.total_bytes)}</b> on disk</p>"
+        ]
+        for title, frame in (
+            ("by group", self.by_group),
+            ("by dtype", self.by_dtype),
+            ("by rank", self.by_rank),
+        ):
+            parts.append(f"<h4>{title}</h4>{frame.to_html()}")
+        return "".join(parts)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.parameters:,} parameters, {human_bytes(self.total_bytes)} on disk\n\n"
+            f"by group:\n{self.by_group}\n\nby dtype:\n{self.by_dtype}\n\nby rank:\n{self.by_rank}"
+        )
+
+
+def summarize(tensors: pd.DataFrame, objects: pd.DataFrame, files: pd.DataFrame) -> Summary:
+    """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none)."""
+    by_group = (
+        tensors.groupby("group", sort=False)
+        .agg(tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum"))
+        .join(
+            objects.groupby("group", sort=False).agg(
+                objects=("key", "size"), object_bytes=("nbytes", "sum")
+            ),
+            how="outer",
+        )
+        .fillna(0)
+        .astype("int64")
+    )
+    by_dtype = tensors.groupby("dtype").agg(
+        tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum")
+    )
+    by_file = files.set_index("file")[
+        ["rank", "size", "records", "tensor_bytes", "object_bytes", "overhead_bytes"]
+    ]
+    by_rank = files.groupby("rank", dropna=False)[
+        ["size", "records", "tensor_bytes", "object_bytes"]
+    ].sum()
+    model = tensors[tensors["group"] == "model"]
+    parameters = int((model if len(model) else tensors)["numel"].sum())
+    return Summary(
+        by_group, by_dtype, by_file, by_rank, parameters, int(files["size"].fillna(0).sum())
+    )
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` → ``'1.2 MB'`` (decimal units, as disk sizes are quoted)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
