@@ -80,6 +80,11 @@ class Entry:
         return math.prod(self.shape) if self.shape is not None else 0
 
     @property
+    def n_chunks(self) -> int:
+        """Distinct boxes the tensor is stored in (a box saved by several ranks counts once)."""
+        return len({(c.offsets, c.flat) for c in self.chunks})
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the full tensor's elements; for objects, the bytes of their records."""
         if self.kind == "tensor" and self.dtype is not None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import html
-import posixpath
+from collections.abc import Iterator
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from . import formats
 from .catalog import Catalog, Entry
-from .errors import KeyNotFoundError, MissingFileError
+from .errors import KeyNotFoundError
 from .formats import Detection
 from .reading import Reader
 from .storage import Storage
@@ -56,6 +55,9 @@ class Checkpoint:
         """Every entry's dotted key, tensors and objects, in checkpoint order."""
         return list(self.catalog.entries)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.catalog.entries)
+
     def __contains__(self, key: object) -> bool:
         return key in self.catalog.entries
 
@@ -90,7 +92,7 @@ class Checkpoint:
         """One row per data file: size on disk, records, tensor/object bytes, framing overhead."""
         from . import tables
 
-        return tables.files_table(self.catalog, self._file_sizes())
+        return tables.files_table(self.catalog, self.storage.sizes(self.catalog.files))
 
     @cached_property
     def objects(self) -> pd.DataFrame:
@@ -106,22 +108,6 @@ class Checkpoint:
         from . import tables
 
         return tables.summarize(self.tensors, self.objects, self.files)
-
-    def _file_sizes(self) -> dict[str, int | None]:
-        sizes: dict[str, int | None] = {}
-        for directory in sorted({posixpath.dirname(f) for f in self.catalog.files}):
-            try:
-                listing = self.storage.listdir(directory)
-            except MissingFileError:
-                listing = {}
-            for file in self.catalog.files:
-                if posixpath.dirname(file) == directory:
-                    sizes[file] = listing.get(posixpath.basename(file))
-        for file, size in sizes.items():
-            if size is None:  # not listed (or a store that cannot list): ask directly
-                with contextlib.suppress(MissingFileError):
-                    sizes[file] = self.storage.size(file)
-        return sizes
 
     # -- values ----------------------------------------------------------------------------
 

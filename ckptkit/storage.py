@@ -72,6 +72,30 @@ class Storage:
             for item in listing
         }
 
+    def sizes(self, rels: Sequence[str]) -> dict[str, int | None]:
+        """Sizes of many files: one listing per directory, a direct look-up for what it misses.
+
+        Missing files map to None. Stores that cannot list (plain HTTP) fall back to look-ups.
+        """
+        out: dict[str, int | None] = {}
+        for directory in sorted({posixpath.dirname(rel) for rel in rels}):
+            try:
+                listing = self.listdir(directory)
+            except (MissingFileError, NotImplementedError, OSError):
+                listing = {}
+            out.update(
+                {
+                    rel: listing.get(posixpath.basename(rel))
+                    for rel in rels
+                    if posixpath.dirname(rel) == directory
+                }
+            )
+        for rel, size in out.items():
+            if size is None:
+                with contextlib.suppress(MissingFileError):
+                    out[rel] = self.size(rel)
+        return out
+
     def size(self, rel: str) -> int:
         try:
             return int(self.fs.size(self.path(rel)))

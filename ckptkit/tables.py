@@ -31,7 +31,7 @@ def tensors_table(catalog: Catalog) -> pd.DataFrame:
             entry.shape,
             entry.numel,
             entry.nbytes,
-            len({(c.offsets, c.flat) for c in entry.chunks}),  # replicas of one box count once
+            entry.n_chunks,
             _sharded_dims(entry),
         )
         for entry in catalog.tensors()
@@ -46,7 +46,9 @@ def _sharded_dims(entry: Entry) -> tuple[int | str, ...]:
         return ("flat",)
     dims: set[int] = set()
     for sizes in {c.sizes for c in entry.chunks}:
-        dims.update(d for d, (n, full) in enumerate(zip(sizes, entry.shape, strict=True)) if n != full)
+        dims.update(
+            d for d, (n, full) in enumerate(zip(sizes, entry.shape, strict=True)) if n != full
+        )
     return tuple(sorted(dims))
 
 

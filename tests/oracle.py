@@ -1,0 +1,107 @@
+"""torch as the trusted oracle: what torch's own DCP reader and converter say about a checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import ckptkit
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's elements as contiguous little-endian bytes (what 'bit-equal' compares)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, key: str) -> None:
+    assert actual.dtype == expected.dtype, f"{key}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, (
+        f"{key}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    assert raw_bytes(actual) == raw_bytes(expected), f"{key}: bytes differ"
+
+
+def assert_catalog_matches_torch(ckpt: ckptkit.Checkpoint, path: str | Path) -> None:
+    """Every key, dtype, shape, chunk and byte record equals torch's FileSystemReader metadata."""
+    metadata = FileSystemReader(str(path)).read_metadata()
+    assert set(ckpt.keys()) == set(metadata.state_dict_metadata)
+    records = {
+        (index.fqn, tuple(index.offset) if index.offset is not None else None): info
+        for index, info in metadata.storage_data.items()
+    }
+    for key, item in metadata.state_dict_metadata.items():
+        entry = ckpt.entry(key)
+        if isinstance(item, TensorStorageMetadata):
+            assert entry.kind == "tensor", key
+            assert entry.dtype.name == str(item.properties.dtype).removeprefix("torch."), key
+            assert entry.shape == tuple(item.size), key
+            expected = sorted((tuple(c.offsets), tuple(c.sizes)) for c in item.chunks)
+            assert sorted((c.offsets, c.sizes) for c in entry.chunks) == expected, key
+            for chunk in entry.chunks:
+                info = records.get((key, chunk.offsets))
+                if info is None:
+                    assert chunk.record is None and chunk.numel == 0, key
+                    continue
+                assert (chunk.record.file, chunk.record.offset, chunk.record.length) == (
+                    info.relative_path,
+                    info.offset,
+                    info.length,
+                ), key
+        else:
+            assert entry.kind == "object", key
+            info = records[(key, None)]
+            record = entry.chunks[0].record
+            assert (record.file, record.offset, record.length) == (
+                info.relative_path,
+                info.offset,
+                info.length,
+            )
+    if metadata.planner_data:
+        for key, path_ in metadata.planner_data.items():
+            assert ckpt.entry(key).path == tuple(path_), key
+
+
+def torch_unsharded(path: str | Path, tmp_dir: Path) -> dict:
+    """The state dict torch's own ``dcp_to_torch_save`` produces (nested as torch nests it)."""
+    out = tmp_dir / "dcp_to_torch_save.pt"
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def lookup(state: dict, path: tuple):
+    value = state
+    for part in path:
+        value = value[part]
+    return value
+
+
+def assert_reads_match(ckpt: ckptkit.Checkpoint, reference: dict) -> int:
+    """Every tensor ``read()`` is bit-equal to ``reference`` walked by the entry's path."""
+    count = 0
+    for key in ckpt:
+        entry = ckpt.entry(key)
+        if entry.kind == "tensor":
+            assert_bit_equal(ckpt.read(key), lookup(reference, entry.path), key)
+            count += 1
+    return count
+
+
+def assert_matches_sha256(ckpt: ckptkit.Checkpoint, reference_json: Path) -> int:
+    """Every tensor listed in a fixture's ``tensors.sha256.json`` reads back with that hash."""
+    listed = json.loads(reference_json.read_text())
+    count = 0
+    for file, tensors in listed.items():
+        group = file.split(".")[0]
+        for key, spec in tensors.items():
+            tensor = ckpt.read(f"{group}.{key}")
+            assert list(tensor.shape) == spec["shape"], key
+            assert str(tensor.dtype).removeprefix("torch.") == spec["dtype"], key
+            assert hashlib.sha256(raw_bytes(tensor)).hexdigest() == spec["sha256"], key
+            count += 1
+    return count
