@@ -4,6 +4,7 @@ Inspection never imports torch and never runs pickle code from a checkpoint.
 """
 
 from .checkpoint import Checkpoint, open
+from .convert import UnshardResult, convert, unshard
 from .errors import (
     CheckpointError,
     CorruptRecordError,
@@ -13,6 +14,7 @@ from .errors import (
     UnsafePickleError,
 )
 from .formats import Detection
+from .state_dict import LoadResult, from_checkpoint, load_state_dict
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,12 @@ __all__ = [
     "FormatError",
     "KeyNotFoundError",
     "MissingFileError",
+    "LoadResult",
     "UnsafePickleError",
+    "UnshardResult",
+    "convert",
+    "from_checkpoint",
+    "load_state_dict",
     "open",
+    "unshard",
 ]

@@ -6,7 +6,9 @@ reading, unsharding, diffing) consumes one and never needs to know the on-disk f
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -106,3 +108,21 @@ class Catalog:
 
     def objects(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.kind == "object"]
+
+    def select(
+        self, keys: Sequence[str] | str | None = None, groups: Sequence[str] | str | None = None
+    ) -> list[Entry]:
+        """Entries whose dotted key matches any glob in ``keys`` and whose group is in ``groups``.
+
+        ``None`` selects everything; ``keys=["model.blocks.0.*", "optim.state.*.exp_avg"]``.
+        """
+        keys = [keys] if isinstance(keys, str) else keys
+        groups = (
+            {groups} if isinstance(groups, str) else set(groups) if groups is not None else None
+        )
+        return [
+            e
+            for e in self.entries.values()
+            if (groups is None or e.group in groups)
+            and (keys is None or any(fnmatch.fnmatchcase(e.key, pattern) for pattern in keys))
+        ]

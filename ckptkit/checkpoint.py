@@ -32,6 +32,11 @@ def open(
     return Checkpoint(formats.describe(detection), detection)
 
 
+def open_source(src: str | Checkpoint, storage_options: dict[str, Any] | None = None) -> Checkpoint:
+    """``src`` itself when it is already an open checkpoint, else :func:`open` it."""
+    return src if isinstance(src, Checkpoint) else open(src, storage_options=storage_options)
+
+
 class Checkpoint:
     """A checkpoint described by its metadata: DataFrames, and tensors read on demand."""
 
@@ -39,7 +44,7 @@ class Checkpoint:
         self.catalog = catalog
         self.detection = detection
         self.storage = detection.storage
-        self._reader = Reader(self.storage)
+        self.reader = Reader(self.storage)
 
     # -- identity --------------------------------------------------------------------------
 
@@ -100,7 +105,7 @@ class Checkpoint:
         from . import tables
 
         entries = self.catalog.objects()
-        values = self._reader.read_objects(entries, tensors="ref") if entries else []
+        values = self.reader.read_objects(entries, tensors="ref") if entries else []
         return tables.objects_table(self.catalog, values)
 
     def summary(self) -> Summary:
@@ -113,18 +118,18 @@ class Checkpoint:
 
     def read(self, key: str):
         """The full tensor ``key`` as a ``torch.Tensor``, assembled from its chunks."""
-        return self._reader.read_tensor(self._tensor_entry(key))
+        return self.reader.read_tensor(self._tensor_entry(key))
 
     def read_numpy(self, key: str):
         """The full tensor as a numpy array, without torch (bfloat16/fp8 as raw unsigned ints)."""
-        return self._reader.read_array(self._tensor_entry(key))
+        return self.reader.read_array(self._tensor_entry(key))
 
     def read_object(self, key: str) -> Any:
         """The non-tensor value ``key``, decoded safely: unknown classes come back as placeholders."""
         entry = self.entry(key)
         if entry.kind != "object":
             raise KeyNotFoundError(f"{self.url}: {key!r} is a tensor; use read()")
-        return self._reader.read_objects([entry])[0]
+        return self.reader.read_objects([entry])[0]
 
     def _tensor_entry(self, key: str) -> Entry:
         entry = self.entry(key)

@@ -51,6 +51,34 @@ class Reader:
                 _place(out, chunk, data, entry, self.storage.describe(chunk.record.file))
         return out
 
+    def iter_bytes(self, entry: Entry) -> Iterator[memoryview]:
+        """The tensor's row-major bytes, in pieces: chunk by chunk when they tile the first
+        dimension (or a flat range), else the assembled tensor at once. Used for streaming."""
+        chunks = _distinct_chunks(entry)
+        if not _tiles_first_dim(entry, chunks):
+            yield _as_bytes(self.read_array(entry))
+            return
+        ordered = sorted((c for c in chunks if c.record is not None), key=lambda c: c.offsets[:1])
+        for batch in _batches(ordered):
+            for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
+                source = self.storage.describe(chunk.record.file)
+                view = strided_view(data, source)
+                if view.size != chunk.numel or (not chunk.flat and view.shape != chunk.sizes):
+                    raise CorruptRecordError(
+                        f"{source}: {entry.key!r} record holds shape {list(view.shape)}, metadata says {list(chunk.sizes)}"
+                    )
+                yield _as_bytes(view)
+
+    def read_chunk(self, entry: Entry, chunk: Chunk) -> memoryview:
+        """One stored chunk's elements as row-major bytes."""
+        (data,) = self._decode_tensors(entry, [chunk])
+        view = strided_view(data, self.storage.describe(chunk.record.file))
+        if view.size != chunk.numel:
+            raise CorruptRecordError(
+                f"{entry.key!r}: chunk record holds {view.size} elements, expected {chunk.numel}"
+            )
+        return _as_bytes(view)
+
     def read_tensor(self, entry: Entry):
         """The whole tensor as a ``torch.Tensor`` with the entry's dtype (imports torch)."""
         import torch
@@ -157,6 +185,20 @@ def _distinct_chunks(entry: Entry) -> list[Chunk]:
     if covered != entry.numel:
         raise FormatError(f"{entry.key!r}: chunks cover {covered} of {entry.numel} elements")
     return chunks
+
+
+def _tiles_first_dim(entry: Entry, chunks: list[Chunk]) -> bool:
+    """True when chunks are whole rows (or flat ranges), so their bytes concatenate in order."""
+    if all(c.flat for c in chunks):
+        return True
+    if any(c.flat for c in chunks):
+        return False
+    return all(c.sizes[1:] == entry.shape[1:] and not any(c.offsets[1:]) for c in chunks)
+
+
+def _as_bytes(array: np.ndarray) -> memoryview:
+    """Row-major bytes of ``array`` (copied only if it is not contiguous)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def _batches(chunks: list[Chunk]) -> Iterator[list[Chunk]]:

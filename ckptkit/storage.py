@@ -6,12 +6,17 @@ fsspec URL); the rest of ckptkit names files relative to it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import os
 import posixpath
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CorruptRecordError, MissingFileError
 
@@ -166,3 +171,72 @@ class Storage:
             if isinstance(blob, BaseException):
                 raise blob
         return blobs
+
+
+class AtomicOutput:
+    """Files written into a destination all-or-nothing: under temporary names, renamed on commit.
+
+    Local destinations get a hidden ``.ckptkit-tmp-*`` folder inside them (so the final rename
+    stays on one file system); other stores get a local staging folder whose files are uploaded
+    on commit, each appearing whole under its final key. Nothing exists under a final name until
+    :meth:`commit`; :meth:`discard` removes every temporary file.
+    """
+
+    def __init__(self, destination: Storage, *, overwrite: bool = False) -> None:
+        self.destination = destination
+        self.overwrite = overwrite
+        self.local = isinstance(destination.fs, LocalFileSystem)
+        if self.local:
+            os.makedirs(destination.root, exist_ok=True)
+            self.staging = tempfile.mkdtemp(prefix=".ckptkit-tmp-", dir=destination.root)
+        else:
+            self.staging = tempfile.mkdtemp(prefix="ckptkit-")
+        self.names: list[str] = []
+
+    def refuse_existing(self, names: Sequence[str]) -> None:
+        """Fail early, before any work, if a final name exists and ``overwrite`` is off."""
+        if self.overwrite:
+            return
+        taken = [n for n in names if self.destination.exists(n)]
+        if taken:
+            raise FileExistsError(
+                f"{self.destination.describe(taken[0])} already exists (pass overwrite=True to replace it)"
+            )
+
+    def open(self, name: str) -> BinaryIO:
+        """A new seekable file that will become ``name`` (relative to the destination)."""
+        if name in self.names:
+            raise ValueError(f"{name!r} is written twice")
+        self.names.append(name)
+        path = os.path.join(self.staging, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return builtins.open(path, "wb")
+
+    def commit(self) -> None:
+        """Move every written file to its final name."""
+        self.refuse_existing(self.names)
+        for name in self.names:
+            staged = os.path.join(self.staging, name)
+            if self.local:
+                final = self.destination.path(name)
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.replace(staged, final)
+            else:
+                self.destination.fs.put_file(staged, self.destination.path(name))
+        self.discard()
+
+    def discard(self) -> None:
+        """Remove the staging folder and everything in it."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_output(destination: Storage, *, overwrite: bool = False) -> Iterator[AtomicOutput]:
+    """An :class:`AtomicOutput` committed when the block succeeds and discarded when it raises."""
+    output = AtomicOutput(destination, overwrite=overwrite)
+    try:
+        yield output
+    except BaseException:
+        output.discard()
+        raise
+    output.commit()

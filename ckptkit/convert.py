@@ -1,0 +1,431 @@
+"""Writing a checkpoint in another format: unsharded torch.save / safetensors, or DCP.
+
+Unsharding gives one output per top-level group (``model``, ``optim``, ``train``…); tensor bytes
+are copied one tensor (or one row-chunk) at a time, and all files are staged and renamed into
+place only on success.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import dtypes
+from .catalog import Chunk, Entry
+from .checkpoint import Checkpoint, open_source
+from .dtypes import DType
+from .errors import FormatError, UnsafePickleError
+from .reading import Reader
+from .state_dict import nest
+from .storage import Storage, atomic_output
+from .unpickler import Opaque
+from .writers import dcp as dcp_writer
+from .writers import safetensors as safetensors_writer
+from .writers import torch_save
+
+Target = Literal["torch", "safetensors", "dcp"]
+
+
+@dataclass
+class WrittenFile:
+    """One output file: its name under the destination, bytes, and what it holds."""
+
+    name: str
+    nbytes: int
+    tensors: int
+    objects: int
+
+
+@dataclass
+class UnshardResult:
+    """What :func:`unshard` wrote where; non-tensor entries of safetensors output are listed
+    under the ``*.objects.pt`` side files that hold them."""
+
+    destination: str
+    files: list[WrittenFile] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame([vars(f) for f in self.files])
+
+    def __str__(self) -> str:
+        from .tables import human_bytes
+
+        lines = [
+            f"wrote {len(self.files)} files ({human_bytes(self.nbytes)}) to {self.destination}"
+        ]
+        lines += [
+            f"  {f.name:<40} {human_bytes(f.nbytes):>10}  {f.tensors} tensors, {f.objects} objects"
+            for f in self.files
+        ]
+        return "\n".join(lines)
+
+
+def unshard(
+    src: str | Checkpoint,
+    dst: str,
+    *,
+    to: Literal["torch", "safetensors"] = "torch",
+    keys: Sequence[str] | str | None = None,
+    groups: Sequence[str] | str | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str | None = None,
+    storage_options: dict | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> UnshardResult:
+    """Write the checkpoint ``src`` unsharded into the directory ``dst``, one file per group.
+
+    ``to="torch"``: ``<group>.pt`` holding exactly what torch's ``dcp_to_torch_save`` puts under
+    that group (nesting, objects included), streamed so ``torch.load(mmap=True)`` works.
+    ``to="safetensors"``: ``<group>.safetensors`` with dotted keys relative to the group (HF
+    ``-0000i-of-0000N`` shards + index with ``max_shard_size``); the group's non-tensor entries
+    go to ``<group>.objects.pt``. ``keys`` (globs) and ``groups`` select entries; ``dtype``
+    casts floating tensors. Memory stays at about the largest tensor; nothing appears under a
+    final name unless everything succeeded, and existing files are kept unless ``overwrite``.
+    """
+    if to not in ("torch", "safetensors"):
+        raise ValueError(f"to must be 'torch' or 'safetensors', not {to!r}")
+    ckpt = open_source(src, storage_options)
+    cast = dtypes.dtype(dtype) if dtype is not None else None
+    entries = ckpt.catalog.select(keys, groups)
+    if not entries:
+        raise FormatError(f"{ckpt.url}: nothing matches keys={keys!r} groups={groups!r}")
+    by_group: dict[str, list[Entry]] = {}
+    for entry in entries:
+        by_group.setdefault(entry.group, []).append(entry)
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+
+    destination = Storage(dst, storage_options)
+    plans = [
+        _plan_torch(group, items) if to == "torch" else _plan_safetensors(group, items, limit, cast)
+        for group, items in by_group.items()
+    ]
+    result = UnshardResult(destination.describe())
+    total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
+    with (
+        atomic_output(destination, overwrite=overwrite) as output,
+        _progress(total, progress) as bar,
+    ):
+        output.refuse_existing([name for plan in plans for name in plan.names])
+        copier = _Copier(ckpt.reader, cast, bar)
+        for plan in plans:
+            result.files.extend(plan.write(output, ckpt, copier))
+    return result
+
+
+def convert(
+    src: str | Checkpoint,
+    dst: str,
+    *,
+    to: Target = "dcp",
+    keys: Sequence[str] | str | None = None,
+    groups: Sequence[str] | str | None = None,
+    storage_options: dict | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> UnshardResult:
+    """Write ``src`` into ``dst`` as format ``to``.
+
+    ``to="dcp"``: a DCP directory (``.metadata`` + ``__0_0.distcp``) that torch's ``dcp.load``
+    reads at any world size; chunks keep their boxes and records already in torch.save form are
+    copied byte for byte, so DCP → DCP with ``keys``/``groups`` is a cheap way to slim a
+    checkpoint (e.g. drop the optimizer). ``"torch"`` / ``"safetensors"`` unshard.
+    """
+    if to in ("torch", "safetensors"):
+        return unshard(
+            src,
+            dst,
+            to=to,
+            keys=keys,
+            groups=groups,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    if to != "dcp":
+        raise ValueError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
+    ckpt = open_source(src, storage_options)
+    entries = ckpt.catalog.select(keys, groups)
+    if not entries:
+        raise FormatError(f"{ckpt.url}: nothing matches keys={keys!r} groups={groups!r}")
+    reader = ckpt.reader
+    destination = Storage(dst, storage_options)
+    total = sum(e.nbytes for e in entries if e.kind == "tensor")
+
+    def copy_record(entry: Entry, chunk: Chunk) -> bytes:
+        record = chunk.record
+        data = reader.storage.read_range(record.file, record.offset, record.offset + record.length)
+        bar.update(chunk.numel * entry.dtype.itemsize)
+        return data
+
+    def object_value(entry: Entry) -> Any:
+        value = reader.read_objects([entry])[0]
+        _refuse_opaque(value, entry.key)
+        return value
+
+    with (
+        atomic_output(destination, overwrite=overwrite) as output,
+        _progress(total, progress) as bar,
+    ):
+        output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
+        copier = _Copier(reader, None, bar)
+        with output.open(dcp_writer.DATA_FILE) as stream:
+            records = dcp_writer.write_records(
+                stream,
+                entries,
+                copy_record=copy_record,
+                chunk_bytes=copier.chunk,
+                object_value=object_value,
+            )
+            data_size = stream.tell()
+        metadata = dcp_writer.metadata_bytes(records, entries)
+        with output.open(dcp_writer.METADATA) as stream:
+            stream.write(metadata)
+    objects = sum(e.kind == "object" for e in entries)
+    return UnshardResult(
+        destination.describe(),
+        [
+            WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - objects, objects),
+            WrittenFile(dcp_writer.METADATA, len(metadata), 0, 0),
+        ],
+    )
+
+
+class _Copier:
+    """Produces each tensor's output bytes (cast when asked), advancing the progress bar."""
+
+    def __init__(self, reader: Reader, cast: DType | None, bar) -> None:
+        self.reader, self.cast, self.bar = reader, cast, bar
+
+    def __call__(self, entry: Entry) -> Iterator[memoryview]:
+        target = _out_dtype(entry.dtype, self.cast)
+        for piece in self.reader.iter_bytes(entry):
+            if target != entry.dtype:
+                piece = _cast(piece, entry.dtype, target)
+            self.bar.update(len(piece))
+            yield piece
+
+    def chunk(self, entry: Entry, chunk: Chunk) -> Iterator[memoryview]:
+        """One chunk's bytes; the whole tensor streams when the chunk is all of it."""
+        if (
+            chunk.offsets == (0,) * len(entry.shape)
+            and chunk.sizes == entry.shape
+            and not chunk.flat
+        ):
+            yield from self(entry)
+            return
+        piece = self.reader.read_chunk(entry, chunk)
+        self.bar.update(len(piece))
+        yield piece
+
+
+def _out_dtype(dt: DType, cast: DType | None) -> DType:
+    return cast if cast is not None and dt.is_floating else dt
+
+
+def _cast(piece: memoryview, source: DType, target: DType) -> memoryview:
+    import torch
+
+    if not len(piece):
+        return piece
+    tensor = torch.frombuffer(bytearray(piece), dtype=dtypes.to_torch(source)).to(
+        dtypes.to_torch(target)
+    )
+    return memoryview(tensor.view(torch.uint8).numpy())
+
+
+class _Plan:
+    names: list[str]
+
+    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
+        raise NotImplementedError
+
+
+@dataclass
+class _TorchPlan(_Plan):
+    group: str
+    entries: list[Entry]
+    name: str = ""
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name or f"{self.group}.pt"]
+
+    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
+        name = self.names[0]
+        structure, streamed = _structure(self.entries, ckpt, copier.cast)
+        with output.open(name) as stream:
+            torch_save.write(
+                stream, structure, lambda slot: copier(streamed[id(slot)]), archive_name=self.group
+            )
+            size = stream.tell()
+        objects = sum(e.kind == "object" for e in self.entries)
+        return [WrittenFile(name, size, len(self.entries) - objects, objects)]
+
+
+def _plan_torch(group: str, entries: list[Entry]) -> _TorchPlan:
+    return _TorchPlan(group, entries)
+
+
+def _structure(
+    entries: list[Entry], ckpt: Checkpoint, cast: DType | None
+) -> tuple[Any, dict[int, Entry]]:
+    """The group's nested value with tensors as slots (filled later) and objects decoded."""
+    objects = [e for e in entries if e.kind == "object"]
+    values = dict(zip((e.key for e in objects), ckpt.reader.read_objects(objects), strict=True))
+    for key, value in values.items():
+        _refuse_opaque(value, key)
+    streamed: dict[int, Entry] = {}
+    items = []
+    for entry in entries:
+        if entry.kind == "object":
+            value = values[entry.key]
+        else:
+            value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
+            streamed[id(value)] = entry
+        items.append((entry.path[1:] if len(entry.path) > 1 else entry.path, value))
+    nested = nest(items)
+    if len(entries) == 1 and len(entries[0].path) == 1:  # a group that is itself a leaf
+        nested = next(iter(nested.values()))
+    return nested, streamed
+
+
+def _refuse_opaque(value: Any, key: str) -> None:
+    """Objects ckptkit did not decode cannot be written back: say which, instead of guessing."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Opaque):
+            raise UnsafePickleError(
+                f"{key!r} holds {item.global_name}, which ckptkit does not run and so cannot write; "
+                "leave it out with keys=/groups=",
+                global_name=item.global_name,
+            )
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+
+
+@dataclass
+class _SafetensorsPlan(_Plan):
+    group: str
+    shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]]
+    objects: list[Entry]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        n = len(self.shards)
+        if n == 1:
+            return [f"{self.group}.safetensors"]
+        return [f"{self.group}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    @property
+    def names(self) -> list[str]:
+        names = self.tensor_names if self.shards[0] else []
+        if len(self.shards) > 1:
+            names.append(f"{self.group}.safetensors.index.json")
+        if self.objects:
+            names.append(f"{self.group}.objects.pt")
+        return names
+
+    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
+        written = []
+        if self.shards[0]:
+            for name, shard in zip(self.tensor_names, self.shards, strict=True):
+                by_item = {id(item): entry for item, entry in shard}
+                with output.open(name) as stream:
+                    safetensors_writer.write(
+                        stream,
+                        [item for item, _ in shard],
+                        lambda item, by_item=by_item: copier(by_item[id(item)]),
+                        metadata={"format": "pt"},
+                    )
+                    written.append(WrittenFile(name, stream.tell(), len(shard), 0))
+        if len(self.shards) > 1:
+            index = {
+                "metadata": {
+                    "total_size": sum(item.nbytes for shard in self.shards for item, _ in shard)
+                },
+                "weight_map": {
+                    item.name: name
+                    for name, shard in zip(self.tensor_names, self.shards, strict=True)
+                    for item, _ in shard
+                },
+            }
+            name = f"{self.group}.safetensors.index.json"
+            data = json.dumps(index, indent=2).encode()
+            with output.open(name) as stream:
+                stream.write(data)
+            written.append(WrittenFile(name, len(data), 0, 0))
+        if self.objects:
+            side = _TorchPlan(self.group, self.objects, f"{self.group}.objects.pt")
+            written.extend(side.write(output, ckpt, copier))
+        return written
+
+
+def _plan_safetensors(
+    group: str, entries: list[Entry], limit: int | None, cast: DType | None
+) -> _SafetensorsPlan:
+    shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]] = [[]]
+    size = 0
+    for entry in entries:
+        if entry.kind != "tensor":
+            continue
+        path = entry.path[1:] if len(entry.path) > 1 else entry.path
+        item = safetensors_writer.SafetensorsItem(
+            ".".join(map(str, path)), _out_dtype(entry.dtype, cast), entry.shape
+        )
+        if limit is not None and shards[-1] and size + item.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((item, entry))
+        size += item.nbytes
+    return _SafetensorsPlan(group, shards, [e for e in entries if e.kind == "object"])
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """``5GB`` → 5·10⁹, ``512MiB`` → 512·2²⁰, ints unchanged (the HF ``max_shard_size`` style)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"cannot read size {value!r} (try 5GB, 500MB, 2GiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit else 0
+    return int(number * base**power)
+
+
+class _progress:
+    """A tqdm bar over bytes, or a do-nothing stand-in when ``enabled`` is false."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="unshard")
+
+    def __enter__(self) -> _progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)

@@ -1,0 +1,113 @@
+"""State dicts rebuilt from a checkpoint: nesting by each entry's path, loading into modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .checkpoint import Checkpoint, open_source
+from .errors import FormatError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def nest(items: Iterable[tuple[tuple[str | int, ...], Any]]) -> dict:
+    """Build the nested dict/list structure torch rebuilds from DCP paths.
+
+    String parts are dict keys, int parts list indices (lists grow with ``None``), exactly as
+    ``torch.distributed.checkpoint`` does when it loads without a template.
+    """
+    root: dict = {}
+    for path, value in items:
+        node: Any = root
+        for part, following in zip(path, path[1:], strict=False):
+            default: Any = [] if type(following) is int else {}
+            if isinstance(node, dict):
+                node = node.setdefault(part, default)
+            else:
+                _grow(node, part)
+                if node[part] is None:
+                    node[part] = default
+                node = node[part]
+        if type(path[-1]) is int:
+            _grow(node, path[-1])
+        node[path[-1]] = value
+    return root
+
+
+def _grow(items: list, index: int) -> None:
+    while len(items) <= index:
+        items.append(None)
+
+
+def load_state_dict(
+    src: str | Checkpoint,
+    *,
+    keys: Sequence[str] | str | None = None,
+    groups: Sequence[str] | str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
+    """The (selected part of the) checkpoint as the nested dict torch would build, in memory.
+
+    Tensors come back as ``torch.Tensor``; objects decoded safely. For whole large checkpoints
+    prefer :func:`ckptkit.unshard`, which streams to disk.
+    """
+    ckpt = open_source(src, storage_options)
+    entries = ckpt.catalog.select(keys, groups)
+    objects = [e for e in entries if e.kind == "object"]
+    values = dict(zip((e.key for e in objects), ckpt.reader.read_objects(objects), strict=True))
+    return nest(
+        (e.path, values[e.key] if e.kind == "object" else ckpt.reader.read_tensor(e))
+        for e in entries
+    )
+
+
+class LoadResult(NamedTuple):
+    """What :func:`from_checkpoint` could not match, as ``Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def from_checkpoint(
+    module: torch.nn.Module,
+    src: str | Checkpoint,
+    *,
+    prefix: str = "model.",
+    strict: bool = True,
+    storage_options: dict | None = None,
+) -> LoadResult:
+    """Load ``module``'s parameters and buffers from a checkpoint, one tensor at a time.
+
+    Checkpoint key ``prefix + name`` feeds ``module.state_dict()[name]`` (copied in place, so
+    memory stays at one tensor). With ``strict`` a missing or unexpected key, or a shape/dtype
+    mismatch, raises before anything is copied; otherwise they are reported in the result.
+    """
+    import torch
+
+    ckpt = open_source(src, storage_options)
+    targets = module.state_dict(keep_vars=True)
+    available = {
+        e.key[len(prefix) :]: e for e in ckpt.catalog.tensors() if e.key.startswith(prefix)
+    }
+    missing = [name for name in targets if name not in available]
+    unexpected = [prefix + name for name in available if name not in targets]
+    mismatched = [
+        f"{prefix}{name}: checkpoint {available[name].dtype.name}{list(available[name].shape)}, "
+        f"module {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        for name, t in targets.items()
+        if name in available and tuple(t.shape) != available[name].shape
+    ]
+    if mismatched or (strict and (missing or unexpected)):
+        problems = (
+            mismatched + [f"missing {k}" for k in missing] + [f"unexpected {k}" for k in unexpected]
+        )
+        raise FormatError(
+            f"{ckpt.url}: cannot load into {type(module).__name__}: " + "; ".join(problems)
+        )
+    with torch.no_grad():
+        for name, target in targets.items():
+            if name in available:
+                target.copy_(ckpt.reader.read_tensor(available[name]))
+    return LoadResult(missing, unexpected)
