@@ -1,4 +1,4 @@
-"""The ``ckptkit`` command line: ``ckptkit inspect PATH [--json]``.
+"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``.
 
 Errors print one line on stderr and exit with status 2; ``inspect --json`` imports neither torch
 nor pandas, so it starts fast.
@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, OSError, ValueError) as exc:
         print(f"ckptkit: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. `ckptkit inspect … | head`
@@ -46,7 +46,70 @@ def _parser() -> argparse.ArgumentParser:
         "--top", type=int, default=10, metavar="N", help="largest tensors to list (default 10)"
     )
     inspect.set_defaults(run=_inspect)
+
+    unshard = commands.add_parser(
+        "unshard", help="write one unsharded file per group (model, optim, …)"
+    )
+    _add_transfer_arguments(unshard)
+    unshard.add_argument(
+        "--to", choices=["torch", "safetensors"], default="torch", help="output format"
+    )
+    unshard.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
+    unshard.add_argument("--max-shard-size", help="split safetensors output, e.g. 5GB")
+    unshard.set_defaults(run=_unshard)
+
+    convert = commands.add_parser("convert", help="rewrite a checkpoint as DCP (or unshard it)")
+    _add_transfer_arguments(convert)
+    convert.add_argument(
+        "--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format"
+    )
+    convert.set_defaults(run=_convert)
     return parser
+
+
+def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="checkpoint path or fsspec URL")
+    parser.add_argument("dst", help="output directory (path or fsspec URL)")
+    parser.add_argument("--keys", nargs="+", metavar="GLOB", help="only keys matching these globs")
+    parser.add_argument(
+        "--groups", nargs="+", metavar="GROUP", help="only these groups, e.g. model"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _unshard(args: argparse.Namespace) -> int:
+    from .convert import unshard
+
+    result = unshard(
+        args.src,
+        args.dst,
+        to=args.to,
+        keys=args.keys,
+        groups=args.groups,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(result)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    result = convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        keys=args.keys,
+        groups=args.groups,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(result)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:

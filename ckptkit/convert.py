@@ -111,14 +111,12 @@ def unshard(
     ]
     result = UnshardResult(destination.describe())
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
-    with (
-        atomic_output(destination, overwrite=overwrite) as output,
-        _progress(total, progress) as bar,
-    ):
+    with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([name for plan in plans for name in plan.names])
-        copier = _Copier(ckpt.reader, cast, bar)
-        for plan in plans:
-            result.files.extend(plan.write(output, ckpt, copier))
+        with _progress(total, progress) as bar:
+            copier = _Copier(ckpt.reader, cast, bar)
+            for plan in plans:
+                result.files.extend(plan.write(output, ckpt, copier))
     return result
 
 
@@ -161,28 +159,19 @@ def convert(
     destination = Storage(dst, storage_options)
     total = sum(e.nbytes for e in entries if e.kind == "tensor")
 
-    def copy_record(entry: Entry, chunk: Chunk) -> bytes:
-        record = chunk.record
-        data = reader.storage.read_range(record.file, record.offset, record.offset + record.length)
-        bar.update(chunk.numel * entry.dtype.itemsize)
-        return data
-
     def object_value(entry: Entry) -> Any:
         value = reader.read_objects([entry])[0]
         _refuse_opaque(value, entry.key)
         return value
 
-    with (
-        atomic_output(destination, overwrite=overwrite) as output,
-        _progress(total, progress) as bar,
-    ):
+    with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
-        copier = _Copier(reader, None, bar)
-        with output.open(dcp_writer.DATA_FILE) as stream:
+        with _progress(total, progress) as bar, output.open(dcp_writer.DATA_FILE) as stream:
+            copier = _Copier(reader, None, bar)
             records = dcp_writer.write_records(
                 stream,
                 entries,
-                copy_record=copy_record,
+                copy_record=copier.record,
                 chunk_bytes=copier.chunk,
                 object_value=object_value,
             )
@@ -213,6 +202,15 @@ class _Copier:
                 piece = _cast(piece, entry.dtype, target)
             self.bar.update(len(piece))
             yield piece
+
+    def record(self, entry: Entry, chunk: Chunk) -> bytes:
+        """A chunk's stored record, byte for byte."""
+        record = chunk.record
+        data = self.reader.storage.read_range(
+            record.file, record.offset, record.offset + record.length
+        )
+        self.bar.update(chunk.numel * entry.dtype.itemsize)
+        return data
 
     def chunk(self, entry: Entry, chunk: Chunk) -> Iterator[memoryview]:
         """One chunk's bytes; the whole tensor streams when the chunk is all of it."""

@@ -200,7 +200,7 @@ class AtomicOutput:
         taken = [n for n in names if self.destination.exists(n)]
         if taken:
             raise FileExistsError(
-                f"{self.destination.describe(taken[0])} already exists (pass overwrite=True to replace it)"
+                f"{self.destination.describe(taken[0])} already exists (overwrite=True / --overwrite replaces it)"
             )
 
     def open(self, name: str) -> BinaryIO:

@@ -1,0 +1,289 @@
+"""Write realistic sample checkpoints with torch's own distributed checkpoint (DCP) code.
+
+Used by the README demo, notebooks and the test-suite, so that ckptkit is always exercised
+on files that torch itself wrote. Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
+from torch.multiprocessing.spawn import ProcessException
+
+VOCAB = 131
+DIM = 48
+SEQ_LEN = 12
+BATCH = 4
+LR = 1e-3
+BETAS = (0.9, 0.999)
+
+
+class _Block(nn.Module):
+    """A pre-norm transformer block: single-head causal attention plus an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(DIM)
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.ln2 = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(h)).chunk(3, dim=-1)
+        h = h + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+
+
+class _Adapter(nn.Module):
+    """A bfloat16 bottleneck adapter; casts its input to bf16 and its output back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Linear(DIM, 20, dtype=torch.bfloat16)
+        self.up = nn.Linear(20, DIM, dtype=torch.bfloat16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.up(F.gelu(self.down(h.to(torch.bfloat16)))).to(h.dtype)
+
+
+class TinyLM(nn.Module):
+    """A tiny language model whose state dict covers the awkward cases a checkpoint reader meets.
+
+    Uneven parameter shapes (`odd`, vocab 131), a bfloat16 submodule (`adapter`), and
+    float32 / int64 / 0-d buffers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        nn.init.normal_(self.embed.weight, std=0.02)  # tied with the output head
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.adapter = _Adapter()
+        self.ln_f = nn.LayerNorm(DIM)
+        self.odd = nn.Parameter(0.02 * torch.randn(37, 19))
+        self.register_buffer("temperature", torch.tensor(1.25))
+        self.register_buffer("position_ids", torch.arange(SEQ_LEN))
+        self.register_buffer("num_updates", torch.tensor(0, dtype=torch.int64))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        freqs = torch.exp(torch.arange(DIM // 2) * (-math.log(1e4) / (DIM // 2)))
+        angles = self.position_ids[: tokens.shape[1], None].float() * freqs
+        h = self.embed(tokens) + torch.cat([angles.sin(), angles.cos()], dim=-1)
+        for block in self.blocks:
+            h = block(h)
+        h = h + self.adapter(h) + self.odd.mean()
+        return self.ln_f(h) @ self.embed.weight.t() / self.temperature
+
+
+def _free_port() -> int:
+    """Ask the OS for a currently unused TCP port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
+    """Entry point of one spawned rank: join a gloo process group, run `fn`, always tear down."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, device_id=None)
+    try:
+        fn(rank, world_size, *args)
+    except CheckpointException as exc:
+        # A BaseException, which torch's spawn wrapper would not report back to the parent.
+        raise RuntimeError(str(exc)) from exc
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run `fn(rank, world_size, *args)` in `world_size` fresh processes sharing a gloo group.
+
+    `fn` must be a top-level function of an importable module (it is pickled by reference).
+    """
+    try:
+        mp.spawn(
+            _run_rank,
+            args=(fn, world_size, _free_port(), args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except ProcessException as exc:
+        raise RuntimeError(
+            f"{fn.__qualname__} failed in a spawned rank (world_size={world_size}):\n{exc}"
+        ) from exc
+
+
+def _train_and_save(
+    rank: int,
+    world_size: int,
+    path: str,
+    steps: int,
+    seed: int,
+    shard_dim: int,
+    use_collectives: bool,
+    writer_kwargs: dict[str, Any],
+    reference_path: str | None,
+) -> None:
+    """Rank body of `write_sample`: build, FSDP2-shard and train TinyLM, then save it with DCP."""
+    torch.manual_seed(seed)  # same initial weights on every rank
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def placement(param: nn.Parameter) -> Shard:
+        # FSDP2 only pads uneven shards on dim 0; other dims must exist and divide evenly.
+        fits = param.ndim > shard_dim and param.shape[shard_dim] % world_size == 0
+        return Shard(shard_dim if fits else 0)
+
+    shard_kwargs: dict[str, Any] = {"mesh": mesh}
+    if shard_dim != 0:
+        shard_kwargs["shard_placement_fn"] = placement
+    for module in [*model.blocks, model.adapter, model]:
+        fully_shard(module, **shard_kwargs)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.01)
+    data = torch.Generator().manual_seed(seed * 1000 + rank + 1)  # each rank sees its own batches
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            model.num_updates += 1
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # identical trainer state on every rank
+        losses.append(mean_loss.item() / world_size)
+
+    train = {
+        "step": steps,
+        "epoch": 0,
+        "tokens_seen": steps * world_size * BATCH * SEQ_LEN,
+        "losses": losses,
+        "run_name": "sample",
+        "config": {"lr": LR, "betas": BETAS},
+    }
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd, "train": train},
+        storage_writer=FileSystemWriter(path, **writer_kwargs),
+        use_collectives=use_collectives,
+    )
+
+    if reference_path is not None:
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_full, optim_full = get_state_dict(model, optimizer, options=full)
+        if rank == 0:
+            torch.save({"model": model_full, "optim": optim_full, "train": train}, reference_path)
+
+
+def write_sample(
+    path: str | os.PathLike,
+    *,
+    world_size: int = 2,
+    steps: int = 2,
+    seed: int = 0,
+    shard_dim: int = 0,
+    use_collectives: bool = True,
+    compression: str | None = None,
+    serialization: str = "torch_save",
+    thread_count: int = 1,
+    reference_path: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """Train a tiny model for `steps` AdamW steps under FSDP2 on gloo/CPU at `world_size` ranks
+    and save it with torch.distributed.checkpoint (DCP) to `path`.
+
+    The checkpoint holds `{"model", "optim", "train"}`; `train` is plain python trainer state.
+    With `reference_path`, rank 0 also `torch.save`s the same state gathered to full tensors.
+    """
+    writer_kwargs: dict[str, Any] = {"thread_count": thread_count}
+    if compression == "zstd":
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        writer_kwargs["_extensions"] = [ZStandard()]
+    elif compression is not None:
+        raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+    if serialization == "safetensors":
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        writer_kwargs["serialization_format"] = SerializationFormat.SAFETENSORS
+    elif serialization != "torch_save":
+        raise ValueError(
+            f"serialization must be 'torch_save' or 'safetensors', got {serialization!r}"
+        )
+
+    path = pathlib.Path(path)
+    _spawn(
+        _train_and_save,
+        world_size,
+        str(path),
+        steps,
+        seed,
+        shard_dim,
+        use_collectives,
+        writer_kwargs,
+        None if reference_path is None else str(reference_path),
+    )
+    return path
+
+
+def _main() -> None:
+    """Command line entry: `python -m ckptkit.examples PATH [options]`."""
+    parser = argparse.ArgumentParser(description=write_sample.__doc__)
+    parser.add_argument("path")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-dim", type=int, default=0)
+    parser.add_argument("--no-collectives", action="store_true")
+    parser.add_argument("--compression", choices=["zstd"])
+    parser.add_argument("--serialization", choices=["torch_save", "safetensors"])
+    parser.add_argument("--thread-count", type=int, default=1)
+    parser.add_argument("--reference-path")
+    ns = parser.parse_args()
+
+    # Import by module name so spawned ranks pickle `ckptkit.examples._train_and_save`,
+    # not a function of `__main__`.
+    from ckptkit.examples import write_sample as write
+
+    out = write(
+        ns.path,
+        world_size=ns.world_size,
+        steps=ns.steps,
+        seed=ns.seed,
+        shard_dim=ns.shard_dim,
+        use_collectives=not ns.no_collectives,
+        compression=ns.compression,
+        serialization=ns.serialization or "torch_save",
+        thread_count=ns.thread_count,
+        reference_path=ns.reference_path,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    _main()
