@@ -1,4 +1,45 @@
+"""Shared fixtures: real checkpoints written once per test session by torch's own DCP code."""
+
+from __future__ import annotations
+
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: oracle.py, writers.py
+
+import writers  # noqa: E402
+
+
+class Written:
+    """A checkpoint written by torch in this session, with the live state it was saved from."""
+
+    def __init__(self, name: str, path: Path, reference: Path, torch_readable: bool) -> None:
+        self.name, self.path, self.reference_path, self.torch_readable = (
+            name,
+            path,
+            reference,
+            torch_readable,
+        )
+
+    def reference(self) -> dict:
+        import torch
+
+        return torch.load(self.reference_path, weights_only=False)
+
+
+@pytest.fixture(scope="session")
+def written(tmp_path_factory):
+    """Factory: ``written("fsdp2_ws2")`` writes that variant once and returns a :class:`Written`."""
+    cache: dict[str, Written] = {}
+
+    def get(name: str) -> Written:
+        if name not in cache:
+            writer, kwargs, readable = writers.VARIANTS[name]
+            root = tmp_path_factory.mktemp(name)
+            writer(root / "ckpt", reference_path=root / "reference.pt", **kwargs)
+            cache[name] = Written(name, root / "ckpt", root / "reference.pt", readable)
+        return cache[name]
+
+    return get
