@@ -22,6 +22,9 @@ class Encoding(StrEnum):
     TORCH_SAVE = "torch_save"  # one complete torch.save zip archive (DCP .distcp items)
     SAFETENSORS = "safetensors"  # a tensor named ``Record.name`` inside a safetensors blob
     RAW = "raw"  # the element bytes themselves, little-endian (``stride`` None = row-major)
+    # a torch.save zip's whole data.pkl; the value is the leaf at ``Record.name``, a JSON list
+    # path into the unpickled structure such as '["param_groups", 0, "lr"]'
+    PICKLE_LEAF = "pickle_leaf"
 
 
 # Record and Chunk are plain (unfrozen) slotted classes so that an adapter may build them straight
@@ -88,10 +91,15 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the full tensor's elements; for objects, the bytes of their records."""
+        """Bytes of the full tensor's elements; for objects, the bytes of their own records
+        (0 for a leaf inside a shared pickle, whose share of it is unknown)."""
         if self.kind == "tensor" and self.dtype is not None:
             return self.numel * self.dtype.itemsize
-        return sum(c.record.length for c in self.chunks if c.record is not None)
+        return sum(
+            c.record.length
+            for c in self.chunks
+            if c.record is not None and c.record.encoding is not Encoding.PICKLE_LEAF
+        )
 
 
 @dataclass

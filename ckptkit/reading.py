@@ -6,8 +6,9 @@ imported only to hand back a ``torch.Tensor``), a bounded batch of records at a 
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -18,14 +19,16 @@ from .errors import CorruptRecordError, FormatError
 from .records import (
     SafetensorsHeader,
     TensorData,
+    ZipIndex,
     decode_object_record,
     decode_tensor_record,
     parse_safetensors_header,
+    read_zip_indexes,
     safetensors_header_length,
     undo_transform,
 )
 from .storage import Storage
-from .unpickler import Opaque, TensorRef
+from .unpickler import OBJECT_GLOBALS, Opaque, TensorRef, safe_loads
 
 #: Records fetched together for one tensor, at most (bytes); bounds memory while assembling.
 BATCH_BYTES = 64 << 20
@@ -37,6 +40,7 @@ class Reader:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._safetensors_headers: dict[tuple[str, int], SafetensorsHeader] = {}
+        self._zip_indexes: dict[str, ZipIndex] = {}  # torch.save file → its located members
 
     # -- tensors ---------------------------------------------------------------------------
 
@@ -160,10 +164,16 @@ class Reader:
             if entry.kind != "object" or not entry.chunks or entry.chunks[0].record is None:
                 raise FormatError(f"{entry.key!r} is not an object entry")
             records.append(entry.chunks[0].record)
-        blobs = self.storage.read_ranges([(r.file, r.offset, r.offset + r.length) for r in records])
+        ranges = list(dict.fromkeys((r.file, r.offset, r.offset + r.length) for r in records))
+        blobs = dict(zip(ranges, self.storage.read_ranges(ranges), strict=True))
+        pickles: dict[tuple[str, int], Any] = {}  # PICKLE_LEAF records share a data.pkl
         values = []
-        for entry, record, blob in zip(entries, records, blobs, strict=True):
+        for entry, record in zip(entries, records, strict=True):
+            blob = blobs[(record.file, record.offset, record.offset + record.length)]
             source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
+            if record.encoding is Encoding.PICKLE_LEAF:
+                values.append(self._pickle_leaf(record, blob, pickles, tensors))
+                continue
             value, archive = decode_object_record(
                 undo_transform(blob, record.transform, source), source
             )
@@ -173,6 +183,29 @@ class Reader:
                 )
             values.append(value)
         return values
+
+    def _pickle_leaf(
+        self, record: Record, blob: bytes, pickles: dict[tuple[str, int], Any], tensors: str
+    ) -> Any:
+        """The leaf at ``record.name`` in a torch.save file's ``data.pkl`` (decoded once)."""
+        source = self.storage.describe(record.file)
+        if (record.file, record.offset) not in pickles:
+            pickles[(record.file, record.offset)] = safe_loads(
+                blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque"
+            )
+        value = _walk(pickles[(record.file, record.offset)], json.loads(record.name), source)
+        if tensors == "torch":
+            value = _materialize(value, lambda ref: self._pickled_tensor(record.file, ref, source))
+        return value
+
+    def _pickled_tensor(self, file: str, ref: TensorRef, source: str):
+        """A tensor inside a pickled object, its storage read from the torch.save zip."""
+        if file not in self._zip_indexes:
+            self._zip_indexes[file] = read_zip_indexes(self.storage, [file])[file]
+        member = self._zip_indexes[file].member(f"data/{ref.storage.key}", source)
+        blob = self.storage.read_range(file, member.offset, member.offset + member.size)
+        data = TensorData(ref.dtype, ref.shape, ref.stride, ref.storage_offset, memoryview(blob))
+        return _to_torch(data, source)
 
 
 def _distinct_chunks(entry: Entry) -> list[Chunk]:
@@ -267,6 +300,24 @@ def _to_torch(data: TensorData, source: str):
 
     array = np.array(strided_view(data, source))  # copy: own, writable memory
     return torch.from_numpy(array).view(dtypes.to_torch(data.dtype))
+
+
+def _walk(value: Any, path: list, source: str) -> Any:
+    """The item at ``path`` inside ``value``: dict keys as ``str`` (as flattening spells them),
+    list and tuple indices as ``int``."""
+    for part in path:
+        if isinstance(value, Mapping):
+            found = (
+                [value[part]] if part in value else [v for k, v in value.items() if str(k) == part]
+            )
+        elif isinstance(value, (list, tuple)) and type(part) is int and 0 <= part < len(value):
+            found = [value[part]]
+        else:
+            found = []
+        if not found:
+            raise CorruptRecordError(f"{source}: the pickle has no item {part!r} on path {path}")
+        value = found[0]
+    return value
 
 
 def _materialize(value: Any, convert) -> Any:

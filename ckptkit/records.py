@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .errors import CorruptRecordError, FormatError
+from .errors import CorruptRecordError, FormatError, MissingFileError
+from .storage import Storage
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
 
 _EOCD = b"PK\x05\x06"
@@ -43,44 +45,70 @@ class TensorData:
 
 def zip_members(buf: memoryview, source: str) -> dict[str, Member]:
     """Members of a zip archive held in ``buf``, from its central directory (zip64 aware)."""
-    tail = bytes(buf[-(22 + 65535) :])
-    at = tail.rfind(_EOCD)
-    if at < 0:
-        raise CorruptRecordError(f"{source}: not a torch.save record (no zip end-of-directory)")
-    eocd_pos = len(buf) - len(tail) + at
-    (_, _, _, _, count, cd_size, cd_offset, _) = struct.unpack_from("<4sHHHHIIH", buf, eocd_pos)
-    if 0xFFFFFFFF in (cd_size, cd_offset) or count == 0xFFFF:
-        locator = eocd_pos - 20
-        if locator < 0 or bytes(buf[locator : locator + 4]) != _EOCD64_LOCATOR:
-            raise CorruptRecordError(f"{source}: zip64 record without its locator")
-        (eocd64_pos,) = struct.unpack_from("<Q", buf, locator + 8)
-        count, cd_size, cd_offset = struct.unpack_from("<QQQ", buf, eocd64_pos + 32)
+    count, cd_offset, cd_size = end_record(bytes(buf[-_TAIL:]), max(0, len(buf) - _TAIL), source)
     members: dict[str, Member] = {}
-    pos = cd_offset
-    for _ in range(count):
-        if bytes(buf[pos : pos + 4]) != _CENTRAL:
-            raise CorruptRecordError(f"{source}: damaged zip central directory")
-        (method, crc, csize, usize, name_len, extra_len, comment_len) = struct.unpack_from(
-            "<10xH4xIIIHHH", buf, pos
+    for name, local, size, crc in central_directory(
+        bytes(buf[cd_offset : cd_offset + cd_size]), count, source
+    ):
+        members[name] = Member(
+            _data_offset(bytes(buf[local : local + 30]), local, name, source), size, crc
         )
-        (local_offset,) = struct.unpack_from("<I", buf, pos + 42)
-        name = bytes(buf[pos + 46 : pos + 46 + name_len]).decode("utf-8", "replace")
-        extra = bytes(buf[pos + 46 + name_len : pos + 46 + name_len + extra_len])
-        usize, csize, local_offset = _zip64_sizes(extra, usize, csize, local_offset)
-        if method != 0 or csize != usize:
-            raise CorruptRecordError(f"{source}: zip member {name!r} is compressed")
-        if bytes(buf[local_offset : local_offset + 4]) != _LOCAL:
-            raise CorruptRecordError(f"{source}: zip member {name!r} has no local header")
-        lname, lextra = struct.unpack_from("<HH", buf, local_offset + 26)
-        data_offset = local_offset + 30 + lname + lextra
-        if data_offset + usize > len(buf):
+        if members[name].offset + size > len(buf):
             raise CorruptRecordError(f"{source}: zip member {name!r} extends past the record's end")
-        members[name] = Member(data_offset, usize, crc)
-        pos += 46 + name_len + extra_len + comment_len
+    return members
+
+
+_EOCD64 = b"PK\x06\x06"
+_TAIL = 22 + 0xFFFF  # the end-of-directory record plus the longest zip comment
+
+
+def end_record(tail: bytes, start: int, source: str) -> tuple[int, int, int]:
+    """``(members, central directory offset, its size)`` from a zip's last bytes ``tail``, which
+    begin at offset ``start`` of the archive (zip64 aware)."""
+    at = tail.rfind(_EOCD)
+    if at < 0 or at + 22 > len(tail):
+        raise CorruptRecordError(
+            f"{source}: not a torch.save zip (no end-of-central-directory record)"
+        )
+    count, size, offset = struct.unpack_from("<10xHII", tail, at)
+    if count == 0xFFFF or 0xFFFFFFFF in (size, offset):
+        locator = at - 20
+        if locator < 0 or tail[locator : locator + 4] != _EOCD64_LOCATOR:
+            raise CorruptRecordError(f"{source}: zip64 archive without its end-record locator")
+        (record,) = struct.unpack_from("<Q", tail, locator + 8)
+        record -= start
+        if record < 0 or tail[record : record + 4] != _EOCD64:
+            raise CorruptRecordError(f"{source}: damaged zip64 end-of-central-directory record")
+        count, size, offset = struct.unpack_from("<QQQ", tail, record + 32)
+    return count, offset, size
+
+
+def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, int, int, int]]:
+    """``(name, local header offset, size, crc32)`` of each member; stored members only."""
+    members = []
+    pos = 0
+    try:
+        for _ in range(count):
+            if buf[pos : pos + 4] != _CENTRAL:
+                raise CorruptRecordError(f"{source}: damaged zip central directory")
+            method, crc, csize, usize, name_len, extra_len, comment_len = struct.unpack_from(
+                "<10xH4xIIIHHH", buf, pos
+            )
+            (local,) = struct.unpack_from("<I", buf, pos + 42)
+            name = buf[pos + 46 : pos + 46 + name_len].decode("utf-8", "replace")
+            extra = buf[pos + 46 + name_len : pos + 46 + name_len + extra_len]
+            usize, csize, local = _zip64_sizes(extra, usize, csize, local)
+            if method != 0 or csize != usize:
+                raise CorruptRecordError(f"{source}: zip member {name!r} is compressed")
+            members.append((name, local, usize, crc))
+            pos += 46 + name_len + extra_len + comment_len
+    except struct.error as exc:
+        raise CorruptRecordError(f"{source}: truncated zip central directory") from exc
     return members
 
 
 def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    """Sizes and offset from a zip64 extra field, for the fields the classic record capped."""
     pos = 0
     while pos + 4 <= len(extra):
         tag, size = struct.unpack_from("<HH", extra, pos)
@@ -95,6 +123,79 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int
             break
         pos += 4 + size
     return usize, csize, offset
+
+
+def _data_offset(header: bytes, local: int, name: str, source: str) -> int:
+    """Where a member's data starts, from its 30-byte local header at ``local``."""
+    if header[:4] != _LOCAL or len(header) < 30:
+        raise CorruptRecordError(f"{source}: zip member {name!r} has no local header")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return local + 30 + name_len + extra_len
+
+
+@dataclass(frozen=True, slots=True)
+class ZipIndex:
+    """A torch.save zip file's members (data offset and size in the file), by member name."""
+
+    file: str
+    prefix: str  # the archive folder every member sits in, e.g. "archive/"
+    members: dict[str, Member]
+
+    def member(self, name: str, source: str) -> Member:
+        """The member ``<prefix><name>`` (``data.pkl``, ``data/0``…)."""
+        found = self.members.get(self.prefix + name)
+        if found is None:
+            raise CorruptRecordError(f"{source}: zip member {self.prefix + name!r} is missing")
+        return found
+
+
+def read_zip_indexes(
+    storage: Storage, files: list[str], sizes: Mapping[str, int | None] | None = None
+) -> dict[str, ZipIndex]:
+    """Every member of each torch.save zip file, located by range reads in three batched rounds:
+    the tails, any central directory not inside its tail, the local headers. No data is read."""
+    if sizes is None:
+        sizes = storage.sizes(files)
+    for file in files:
+        if sizes.get(file) is None:
+            raise MissingFileError(f"{storage.describe(file)}: no such file")
+    starts = {file: max(0, sizes[file] - _TAIL) for file in files}
+    tails = storage.read_ranges([(file, starts[file], sizes[file]) for file in files])
+    ends = {
+        file: end_record(tail, starts[file], storage.describe(file))
+        for file, tail in zip(files, tails, strict=True)
+    }
+    outside = [file for file in files if ends[file][1] < starts[file]]
+    fetched = storage.read_ranges(
+        [(file, ends[file][1], ends[file][1] + ends[file][2]) for file in outside]
+    )
+    directories = dict(zip(outside, fetched, strict=True))
+    listed: dict[str, list[tuple[str, int, int, int]]] = {}
+    for file, tail in zip(files, tails, strict=True):
+        count, offset, size = ends[file]
+        at = offset - starts[file]
+        directory = directories.get(file, tail[at : at + size])
+        listed[file] = central_directory(directory, count, storage.describe(file))
+    heads = iter(
+        storage.read_ranges(
+            [(file, local, local + 30) for file in files for _, local, _, _ in listed[file]]
+        )
+    )
+    indexes = {}
+    for file in files:
+        source = storage.describe(file)
+        members = {}
+        for name, local, size, crc in listed[file]:
+            members[name] = Member(_data_offset(next(heads), local, name, source), size, crc)
+            if members[name].offset + size > sizes[file]:
+                raise CorruptRecordError(f"{source}: zip member {name!r} extends past the end")
+        pickles = [name for name in members if name.endswith("data.pkl")]
+        if len(pickles) != 1:
+            raise CorruptRecordError(
+                f"{source}: not a torch.save file (expected one data.pkl, found {len(pickles)})"
+            )
+        indexes[file] = ZipIndex(file, pickles[0][: -len("data.pkl")], members)
+    return indexes
 
 
 class TorchArchive:
@@ -127,6 +228,7 @@ class TorchArchive:
         return self.member(m)
 
     def tensor(self, ref: TensorRef) -> TensorData:
+        """The bytes and layout of ``ref``, whose storage is one of this archive's members."""
         return TensorData(
             ref.dtype, ref.shape, ref.stride, ref.storage_offset, self.storage(ref.storage.key)
         )

@@ -50,6 +50,12 @@ class Storage:
         sub.url = posixpath.join(self.url.rstrip("/"), rel)
         return sub
 
+    def parent(self) -> tuple[Storage, str]:
+        """The containing directory as a Storage, and this location's name in it."""
+        up = Storage(posixpath.dirname(self.root) or "/", self.storage_options, _fs=self.fs)
+        up.url = posixpath.dirname(self.url.rstrip("/")) or "."
+        return up, posixpath.basename(self.root)
+
     def path(self, rel: str = "") -> str:
         """The filesystem path of ``rel`` (a name relative to this location)."""
         return posixpath.join(self.root, rel) if rel else self.root

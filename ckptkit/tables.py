@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from .catalog import Catalog, Entry
+from .catalog import Catalog, Encoding, Entry
 
 _preview_repr = reprlib.Repr()
 _preview_repr.maxstring = 60
@@ -96,17 +96,21 @@ def files_table(catalog: Catalog, sizes: dict[str, int | None]) -> pd.DataFrame:
     tensor_bytes: dict[str, int] = defaultdict(int)
     object_bytes: dict[str, int] = defaultdict(int)
     ranks: dict[str, int | None] = {}
+    seen: set[tuple[str, int, int]] = set()  # many object leaves can share one pickle record
     for entry in catalog.entries.values():
         for chunk in entry.chunks:
-            if chunk.record is None:
+            record = chunk.record
+            if record is None:
                 continue
-            file = chunk.record.file
-            records[file] += 1
+            file = record.file
             ranks.setdefault(file, chunk.rank)
             if entry.kind == "tensor":
+                records[file] += 1
                 tensor_bytes[file] += chunk.numel * entry.dtype.itemsize
-            else:
-                object_bytes[file] += chunk.record.length
+            elif (file, record.offset, record.length) not in seen:
+                seen.add((file, record.offset, record.length))
+                records[file] += 1
+                object_bytes[file] += record.length
     rows = []
     for file in catalog.files:
         size = sizes.get(file)
@@ -142,7 +146,7 @@ def objects_table(catalog: Catalog, values: list[Any] | None) -> pd.DataFrame:
                     entry.key,
                     entry.group,
                     record.file,
-                    record.length,
+                    record.length if record.encoding is not Encoding.PICKLE_LEAF else None,
                     chunk.rank,
                     _type_name(value) if values is not None else None,
                     preview(value) if values is not None else None,

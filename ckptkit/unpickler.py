@@ -40,17 +40,14 @@ class StorageRef:
 
 @dataclass(frozen=True, slots=True)
 class TensorRef:
-    """A tensor as a pickle describes it: a strided view into a storage."""
+    """A tensor as a pickle describes it: a strided view (in elements of ``dtype``) of a storage."""
 
     storage: StorageRef
     storage_offset: int
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    dtype: DType
     requires_grad: bool = False
-
-    @property
-    def dtype(self) -> DType:
-        return self.storage.dtype
 
     def __repr__(self) -> str:
         return f"Tensor({self.dtype.name}, {list(self.shape)})"
@@ -68,7 +65,21 @@ class _StorageType:
 def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *_ignored):
     if not isinstance(storage, StorageRef):
         raise CorruptRecordError(f"tensor rebuilt from {type(storage).__name__}, not a storage")
-    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), bool(requires_grad))
+    return TensorRef(
+        storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype, bool(requires_grad)
+    )
+
+
+def _rebuild_tensor_v3(
+    storage, storage_offset, size, stride, requires_grad, hooks, dtype, *_ignored
+):
+    """torch's form for dtypes without a typed storage (fp8, uint16…): untyped bytes + dtype."""
+    if not isinstance(dtype, DType):
+        raise CorruptRecordError(f"tensor rebuilt with dtype {dtype!r}")
+    ref = _rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
+    return TensorRef(
+        ref.storage, ref.storage_offset, ref.shape, ref.stride, dtype, ref.requires_grad
+    )
 
 
 def _rebuild_tensor_v1(storage, storage_offset, size, stride):
@@ -162,9 +173,11 @@ TENSOR_GLOBALS: dict[str, Any] = {
     "collections.OrderedDict": collections.OrderedDict,
     "torch._utils._rebuild_tensor": _rebuild_tensor_v1,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
     "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
     **{f"torch.{name}": _StorageType(dt) for name, dt in dtypes.BY_STORAGE.items()},
+    "torch.storage.UntypedStorage": _StorageType(dtypes.BY_NAME["uint8"]),
 }
 
 #: Non-tensor objects users saved: primitives, containers, numpy values, tensors inside them.

@@ -8,11 +8,16 @@ from types import ModuleType
 from ..catalog import Catalog
 from ..errors import FormatError, MissingFileError
 from ..storage import Storage
-from . import dcp
+from . import dcp, safetensors, torch_save
 from .detection import Detection
 
-#: Adapters in detection order: the first whose ``detect`` answers wins.
-ADAPTERS: dict[str, ModuleType] = {dcp.NAME: dcp}
+#: Adapters in detection order: the first whose ``detect`` answers wins (a directory holding
+#: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
+ADAPTERS: dict[str, ModuleType] = {
+    dcp.NAME: dcp,
+    safetensors.NAME: safetensors,
+    torch_save.NAME: torch_save,
+}
 
 
 def detect(storage: Storage, format: str | None = None) -> Detection:
@@ -33,13 +38,17 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     seen = ", ".join(listing[:12]) + (" …" if len(listing) > 12 else "") if listing else "nothing"
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
-        f"__<rank>.metadata, model_and_optim/.metadata; found {seen}"
+        f"__<rank>.metadata, model_and_optim/.metadata, *.safetensors, "
+        f"*.safetensors.index.json, torch.save zips (*.pt, *.pth, *.bin); found {seen}"
     )
 
 
 def describe(detection: Detection) -> Catalog:
-    """The catalog of a detected checkpoint."""
-    return ADAPTERS[detection.format].describe(detection.storage)
+    """The catalog of a detected checkpoint (of just ``detection.files`` when they are named)."""
+    adapter = ADAPTERS[detection.format]
+    if detection.files is not None:
+        return adapter.describe(detection.storage, files=detection.files)
+    return adapter.describe(detection.storage)
 
 
 __all__ = ["ADAPTERS", "Detection", "detect", "describe"]

@@ -381,12 +381,14 @@ class _CatalogBuilder:
 
 
 def _is_box(value: Any, ndim: int | None) -> bool:
-    """A tuple of non-negative ints (of length ``ndim`` when given)."""
-    return (
-        type(value) is tuple
-        and (ndim is None or len(value) == ndim)
-        and all(type(v) is int and v >= 0 for v in value)
-    )
+    """A tuple of non-negative ints (of length ``ndim`` when given). Called for every chunk, so
+    it leans on C builtins: a float or a string anywhere makes the sum fail to be an int."""
+    if type(value) is not tuple or (ndim is not None and len(value) != ndim):
+        return False
+    try:
+        return not value or (type(sum(value)) is int and min(value) >= 0)
+    except TypeError:
+        return False
 
 
 def _rank(file: str, default: int | None) -> int | None:

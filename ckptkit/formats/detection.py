@@ -9,8 +9,21 @@ from ..storage import Storage
 
 @dataclass
 class Detection:
-    """``format`` found at ``storage`` (possibly a sub-directory of what the user named)."""
+    """``format`` found at ``storage`` (possibly a sub-directory of what the user named).
+
+    ``files`` is set when the user named files rather than a directory (``model.pt``,
+    ``model.safetensors.index.json``): ``storage`` is then their parent directory and the adapter
+    describes just these files. None means: describe the whole directory.
+    """
 
     format: str
     storage: Storage
     evidence: list[str] = field(default_factory=list)
+    files: list[str] | None = None
+
+
+def file_location(storage: Storage) -> tuple[Storage, str] | None:
+    """``(parent directory, file name)`` when ``storage`` names an existing file, else None."""
+    if storage.isdir() or not storage.exists(""):
+        return None
+    return storage.parent()

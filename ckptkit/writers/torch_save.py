@@ -170,34 +170,27 @@ def dumps(structure: Any) -> tuple[bytes, list[TensorSlot]]:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 obj = _slot_from_tensor(obj)
-            if isinstance(obj, TensorSlot):
-                if not obj.key:
-                    obj.key = str(len(slots))
-                    slots.append(obj)
-                storage = _StorageId(obj)
-                args = (
-                    storage,
-                    0,
-                    torch.Size(obj.shape),
-                    _contiguous_strides(obj.shape),
-                    False,
-                    collections.OrderedDict(),
-                )
-                return torch._utils._rebuild_tensor_v2, args
-            return NotImplemented
+            if not isinstance(obj, TensorSlot):
+                return NotImplemented
+            if not obj.key:
+                obj.key = str(len(slots))
+                slots.append(obj)
+            args = (_StorageId(obj), 0, torch.Size(obj.shape), _contiguous_strides(obj.shape))
+            args += (False, collections.OrderedDict())
+            if (
+                obj.dtype.storage is None
+            ):  # fp8, uint16…: untyped bytes plus the dtype, as torch does
+                return torch._utils._rebuild_tensor_v3, (*args, dtypes.to_torch(obj.dtype))
+            return torch._utils._rebuild_tensor_v2, args
 
         def persistent_id(self, obj: Any) -> Any:
-            if isinstance(obj, _StorageId):
-                slot = obj.slot
-                storage_type = getattr(torch, slot.dtype.storage)
-                return (
-                    "storage",
-                    storage_type,
-                    slot.key,
-                    "cpu",
-                    slot.nbytes // slot.dtype.itemsize,
-                )
-            return None
+            if not isinstance(obj, _StorageId):
+                return None
+            slot = obj.slot
+            if slot.dtype.storage is None:
+                return ("storage", torch.storage.UntypedStorage, slot.key, "cpu", slot.nbytes)
+            storage_type = getattr(torch, slot.dtype.storage)
+            return ("storage", storage_type, slot.key, "cpu", slot.nbytes // slot.dtype.itemsize)
 
     buf = io.BytesIO()
     _Pickler(buf, protocol=2).dump(structure)

@@ -1,0 +1,218 @@
+"""Unsharded torch.save files: one ``model.pt``, or a directory of ``<group>.pt`` files.
+
+Described lazily: each file's zip directory and its ``data.pkl`` are read by range (never a
+storage's bytes) and unpickled safely. Tensors become RAW records over their storage members;
+every other leaf becomes an object entry read back from the same ``data.pkl`` (PICKLE_LEAF).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..records import Member, ZipIndex, read_zip_indexes
+from ..storage import Storage
+from ..unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
+from .detection import Detection, file_location
+
+NAME = "torch_save"
+#: Names of torch.save files in a directory (a file the user names is recognised by content).
+SUFFIXES = (".pt", ".pth", ".bin")
+ZIP_MAGIC = b"PK\x03\x04"
+#: Pre-1.6 torch.save files are a bare pickle that starts with a 10-byte magic number.
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
+
+#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin`` → model
+_GROUP = re.compile(r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pt|pth|bin|safetensors)$")
+
+
+def group_of(name: str) -> str:
+    """The group a file in a directory holds: its name without suffix, side-file tag or shard."""
+    match = _GROUP.match(name)
+    return match.group(1) if match else name
+
+
+def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
+    """Each file's kind by its first 4 bytes: ``"zip"``, ``"legacy"`` (pre-1.6) or None."""
+    names = [name for name, size in sizes.items() if size >= 4]
+    heads = storage.read_ranges([(name, 0, 4) for name in names])
+    kinds: dict[str, str | None] = dict.fromkeys(sizes)
+    for name, head in zip(names, heads, strict=True):
+        kinds[name] = "zip" if head == ZIP_MAGIC else "legacy" if head == LEGACY_MAGIC else None
+    return kinds
+
+
+def refuse_legacy(storage: Storage, kinds: Mapping[str, str | None]) -> None:
+    """A clear error for pre-1.6 (non-zip) torch.save files, which ckptkit does not read."""
+    legacy = sorted(name for name, kind in kinds.items() if kind == "legacy")
+    if legacy:
+        raise FormatError(
+            f"{storage.describe(legacy[0])}: legacy (pre-1.6, non-zip) torch.save format is not "
+            "supported; load and re-save it with torch >= 1.6"
+        )
+
+
+def directory_files(storage: Storage) -> dict[str, int]:
+    """The torch.save zips directly in a directory (``*.pt``, ``*.pth``, ``*.bin``) and sizes."""
+    listing = storage.listdir()
+    candidates = {n: s for n, s in sorted(listing.items()) if n.endswith(SUFFIXES) and s >= 0}
+    kinds = probe(storage, candidates)
+    refuse_legacy(storage, kinds)
+    return {name: size for name, size in candidates.items() if kinds[name] == "zip"}
+
+
+def detect(storage: Storage) -> Detection | None:
+    """torch.save when the location is a zip file, or a directory holding ``*.pt`` zips."""
+    located = file_location(storage)
+    if located is not None:
+        parent, name = located
+        kinds = probe(parent, {name: parent.size(name)})
+        refuse_legacy(parent, kinds)
+        if kinds[name] != "zip":
+            return None
+        return Detection(NAME, parent, [f"{name} is a torch.save zip"], files=[name])
+    try:
+        files = directory_files(storage)
+    except MissingFileError:
+        return None
+    if not files:
+        return None
+    shown = ", ".join(list(files)[:4]) + (" …" if len(files) > 4 else "")
+    return Detection(NAME, storage, [f"torch.save zips: {shown}"])
+
+
+def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+    """The catalog of the named torch.save ``files`` or of a whole directory: each file's keys
+    sit under its group (its stem: ``model.pt``'s ``embed.weight`` is ``model.embed.weight``),
+    whichever of the two was opened. Reads zip directories and pickles only."""
+    sizes = None
+    if files is None:
+        sizes = directory_files(storage)
+        if not sizes:
+            raise FormatError(f"{storage.describe()}: no torch.save files (*.pt, *.pth, *.bin)")
+    groups = {name: group_of(name) for name in (files if files is not None else sizes)}
+    return Catalog(NAME, describe_files(storage, groups, sizes), list(groups))
+
+
+# --------------------------------------------------------------------------------------------
+# Describing the pickled structure.
+
+
+def describe_files(
+    storage: Storage, groups: Mapping[str, str], sizes: Mapping[str, int] | None = None
+) -> dict[str, Entry]:
+    """Entries of torch.save zips; ``groups`` maps each file to the group its leaves go under."""
+    files = list(groups)
+    if not files:
+        return {}
+    indexes = read_zip_indexes(storage, files, sizes)
+    wanted = []  # (file, start, end) of each file's data.pkl, then of its byteorder record
+    for file in files:
+        index = indexes[file]
+        data_pkl = index.member("data.pkl", storage.describe(file))
+        order = index.members.get(index.prefix + "byteorder", Member(data_pkl.offset, 0, 0))
+        wanted += [
+            (file, data_pkl.offset, data_pkl.offset + data_pkl.size),
+            (file, order.offset, order.offset + order.size),
+        ]
+    blobs = storage.read_ranges(wanted)
+    entries: dict[str, Entry] = {}
+    owners: dict[str, str] = {}  # key → the file it came from, for clash messages
+    for position, file in enumerate(files):
+        source = storage.describe(file)
+        data, order = blobs[2 * position], blobs[2 * position + 1]
+        if order not in (b"", b"little"):
+            raise CorruptRecordError(f"{source}: big-endian torch.save files are not supported")
+        value = safe_loads(data, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
+        for inner, leaf in leaves(value):
+            path = (groups[file], *inner)
+            key = ".".join(map(str, path))
+            if key in owners:
+                raise FormatError(f"{source}: key {key!r} is also in {owners[key]}")
+            owners[key] = file
+            if isinstance(leaf, TensorRef):
+                entries[key] = _tensor_entry(key, path, leaf, indexes[file], source)
+            else:
+                offset = wanted[2 * position][1]
+                record = Record(
+                    file, offset, len(data), Encoding.PICKLE_LEAF, name=json.dumps(list(inner))
+                )
+                entries[key] = Entry(key, path, "object", (Chunk((), (), record),))
+    return entries
+
+
+def leaves(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, leaf)`` pairs as torch's DCP flattening (``traverse_state_dict``) finds them.
+
+    Dicts are walked (keys as ``str``); lists are walked only when they hold tensors or dicts,
+    else they are one leaf. Unlike DCP, tuples are walked like lists (``nest`` rebuilds them as
+    lists) and an empty dict is kept as a leaf rather than dropped.
+    """
+    if isinstance(value, Mapping):
+        if not value:
+            yield path, value
+        for key, item in value.items():
+            yield from leaves(item, (*path, str(key)))
+    elif isinstance(value, (list, tuple)) and _walked(value):
+        for i, item in enumerate(value):
+            yield from leaves(item, (*path, i))
+    else:
+        yield path, value
+
+
+def _walked(items: list | tuple) -> bool:
+    """True when a list holds a tensor or a dict, directly or in a nested list (DCP's rule)."""
+    return any(
+        isinstance(item, (TensorRef, Mapping))
+        or (isinstance(item, (list, tuple)) and _walked(item))
+        for item in items
+    )
+
+
+def _tensor_entry(
+    key: str, path: tuple[str | int, ...], ref: TensorRef, index: ZipIndex, source: str
+) -> Entry:
+    """A tensor as one chunk whose RAW record covers exactly the bytes its view spans."""
+    member = index.member(f"data/{ref.storage.key}", source)
+    dt, shape, stride = ref.dtype, ref.shape, ref.stride
+    storage_dtype = ref.storage.dtype
+    if ref.storage.numel * storage_dtype.itemsize > member.size:
+        raise CorruptRecordError(
+            f"{source}: {key!r}: storage {ref.storage.key} has {member.size} bytes, the pickle "
+            f"says {ref.storage.numel} {storage_dtype.name} elements"
+        )
+    available = ref.storage.numel * storage_dtype.itemsize // dt.itemsize  # in elements of dt
+    if (
+        not all(type(n) is int and n >= 0 for n in shape)
+        or not all(type(s) is int for s in stride)
+        or len(stride) != len(shape)
+    ):
+        raise CorruptRecordError(
+            f"{source}: {key!r} has a malformed shape {shape!r} or strides {stride!r}"
+        )
+    record = None
+    if math.prod(shape):
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if (
+            ref.storage_offset < 0
+            or min(stride, default=0) < 0
+            or ref.storage_offset + extent > available
+        ):
+            raise CorruptRecordError(
+                f"{source}: {key!r} (shape {list(shape)}, strides {list(stride)}, offset "
+                f"{ref.storage_offset}) does not fit in storage {ref.storage.key} of "
+                f"{available} elements"
+            )
+        record = Record(
+            index.file,
+            member.offset + ref.storage_offset * dt.itemsize,
+            extent * dt.itemsize,
+            Encoding.RAW,
+            stride=stride,
+        )
+    return Entry(key, path, "tensor", (Chunk((0,) * len(shape), shape, record),), dt, shape)
