@@ -105,3 +105,50 @@ def assert_matches_sha256(ckpt: ckptkit.Checkpoint, reference_json: Path) -> int
             assert hashlib.sha256(raw_bytes(tensor)).hexdigest() == spec["sha256"], key
             count += 1
     return count
+
+
+def _load_rank(
+    rank: int, world_size: int, path: str, reference_path: str, result_path: str
+) -> None:
+    """Rank body of :func:`dcp_load_model`: FSDP2 TinyLM ← ``dcp.load`` ← ``path``, compared."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptkit.examples import TinyLM
+
+    torch.manual_seed(1234)  # other weights than the checkpoint's
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in [*model.blocks, model.adapter, model]:
+        fully_shard(module, mesh=mesh)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    dist.barrier()
+    if rank == 0:
+        expected = torch.load(reference_path, weights_only=False)["model"]
+        bad = [
+            k
+            for k, v in expected.items()
+            if raw_bytes(full[k]) != raw_bytes(v) or full[k].dtype != v.dtype
+        ]
+        Path(result_path).write_text(json.dumps({"keys": len(full), "mismatched": bad}))
+
+
+def dcp_load_model(path: Path, world_size: int, reference_path: Path, tmp_dir: Path) -> dict:
+    """Load ``path`` with torch's ``dcp.load`` into an FSDP2 ``TinyLM`` at ``world_size`` ranks."""
+    from ckptkit.examples import _spawn
+
+    result = tmp_dir / f"dcp_load_ws{world_size}.json"
+    _spawn(_load_rank, world_size, str(path), str(reference_path), str(result))
+    return json.loads(result.read_text())
