@@ -94,9 +94,12 @@ def write_synthetic_metadata(directory: Path, n_keys: int, n_ranks: int) -> None
 
     storage_data: dict[MetadataIndex, _StorageInfo] = {}
     for r in range(n_ranks):  # torch merges the ranks' write results one rank after another
+        # torch's writer hands every item of a file the same storage-key string, which the
+        # pickle then stores once: build one per file here too
+        file_name = f"__{r}_0.distcp"
         for k, (fqn, item) in enumerate(state_dict_metadata.items()):
             index = MetadataIndex(fqn, item.chunks[r].offsets, index=r)
-            storage_data[index] = _StorageInfo(f"__{r}_0.distcp", k * record_length, record_length)
+            storage_data[index] = _StorageInfo(file_name, k * record_length, record_length)
 
     metadata = Metadata(
         state_dict_metadata=state_dict_metadata,
