@@ -7,10 +7,12 @@ on files that torch itself wrote. Importing this module imports torch.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import pathlib
-import socket
+import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 VOCAB = 131
 DIM = 48
@@ -95,19 +97,19 @@ class TinyLM(nn.Module):
         return self.ln_f(h) @ self.embed.weight.t() / self.temperature
 
 
-def _free_port() -> int:
-    """Ask the OS for a currently unused TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _run_rank(
+    rank: int, fn: Callable[..., None], world_size: int, store_path: str, args: tuple
+) -> None:
+    """Entry point of one spawned rank: join a gloo process group, run `fn`, always tear down.
 
-
-def _run_rank(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple) -> None:
-    """Entry point of one spawned rank: join a gloo process group, run `fn`, always tear down."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    Ranks meet through a file store rather than a TCP port picked in advance, which another
+    process could take between the pick and the bind; gloo then talks over loopback.
+    """
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    faulthandler.enable()  # a native abort in gloo/torch still prints where it happened
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, device_id=None)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except CheckpointException as exc:
@@ -121,19 +123,30 @@ def _spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes sharing a gloo group.
 
     `fn` must be a top-level function of an importable module (it is pickled by reference).
+    A rank killed by a signal (gloo aborts now and then on a loaded machine, seen a few times in
+    hundreds of runs) gets one more try with fresh processes: `fn` must be safe to repeat.
     """
-    try:
-        mp.spawn(
-            _run_rank,
-            args=(fn, world_size, _free_port(), args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-    except ProcessException as exc:
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory(prefix="ckptkit-spawn-") as scratch:
+            try:
+                mp.spawn(
+                    _run_rank,
+                    args=(fn, world_size, os.path.join(scratch, "store"), args),
+                    nprocs=world_size,
+                    join=True,
+                    start_method="spawn",
+                )
+                return
+            except ProcessExitedException as exc:
+                if attempt == 0 and exc.signal_name is not None:
+                    warnings.warn(f"{fn.__qualname__}: {exc}; trying once more", stacklevel=2)
+                    continue
+                error: ProcessException = exc
+            except ProcessException as exc:
+                error = exc
         raise RuntimeError(
-            f"{fn.__qualname__} failed in a spawned rank (world_size={world_size}):\n{exc}"
-        ) from exc
+            f"{fn.__qualname__} failed in a spawned rank (world_size={world_size}):\n{error}"
+        ) from error
 
 
 def _train_and_save(
