@@ -19,7 +19,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_inspect_json_matches_torch_metadata():
-    result = run("inspect", str(FIXTURE), "--json")
+    result = run("inspect", str(FIXTURE / "model_and_optim"), "--json")
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     metadata = dcp.FileSystemReader(str(FIXTURE / "model_and_optim")).read_metadata()
@@ -38,7 +38,7 @@ def test_inspect_json_matches_torch_metadata():
 
 
 def test_inspect_human_output_lists_groups_and_largest_tensors():
-    result = run("inspect", str(FIXTURE), "--top", "3")
+    result = run("inspect", str(FIXTURE / "model_and_optim"), "--top", "3")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "116 tensors, 32 objects, 2 files" in out

@@ -46,10 +46,11 @@ def test_torch22_fsdp1_metadata_and_tensors(tmp_path):
     assert odd["sizes"].tolist() == [(15, 11), (14, 11)] and odd["rank"].tolist() == [0, 1]
 
 
-def test_olmo_torch_new_opens_from_the_step_directory(tmp_path):
+def test_olmo_torch_new_model_and_optim_is_plain_dcp(tmp_path):
+    # the whole step directory (DCP + train/ + config) is tested in test_formats_legacy.py
     step = FIXTURES / "olmo_torch_new_ws2" / "step3"
-    ckpt = ckptkit.open(str(step))
-    assert ckpt.url.endswith("step3/model_and_optim")
+    ckpt = ckptkit.open(str(step / "model_and_optim"))
+    assert ckpt.format == "dcp" and ckpt.url.endswith("step3/model_and_optim")
     assert ckpt.catalog.info["version"] == "1.0.0"
     assert ckpt.catalog.info["checkpoint_id"].endswith(
         "step3-tmp/model_and_optim"
@@ -61,7 +62,7 @@ def test_olmo_torch_new_opens_from_the_step_directory(tmp_path):
 
 def test_olmo_core_storage_info_class(tmp_path):
     step = FIXTURES / "olmo_core3_trainer_ws2" / "step3"
-    ckpt = ckptkit.open(str(step))
+    ckpt = ckptkit.open(str(step / "model_and_optim"))
     assert len(ckpt.catalog.files) == 12
     assert (
         assert_matches_sha256(

@@ -390,7 +390,7 @@ def test_safetensors_bad_offsets(tmp_path):
 @pytest.mark.parametrize("to", ["torch", "safetensors"])
 def test_unshard_output_reads_back(tmp_path, to):
     """ckptkit's own unshard output (``<group>.pt``, or ``.safetensors`` + ``.objects.pt``)."""
-    source = ckptkit.open(str(FIXTURES / "olmo_core3_trainer_ws2" / "step3"))
+    source = ckptkit.open(str(FIXTURES / "olmo_core3_trainer_ws2" / "step3" / "model_and_optim"))
     ckptkit.unshard(source, str(tmp_path / "out"), to=to, progress=False)
     ckpt = ckptkit.open(str(tmp_path / "out"))
     assert ckpt.format == ("torch_save" if to == "torch" else "safetensors")

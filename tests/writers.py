@@ -24,6 +24,8 @@ __all__ = [
     "VARIANTS",
     "write_column_sharded",
     "write_empty_chunks",
+    "write_fsdp1_rank_files",
+    "write_fsdp2_rank_files",
     "write_sample",
     "write_single_process",
 ]
@@ -147,3 +149,147 @@ VARIANTS = {
     "zstd": (write_sample, {"world_size": 2, "compression": "zstd", "thread_count": 2}, True),
     "safetensors_format": (write_sample, {"world_size": 2, "serialization": "safetensors"}, False),
 }
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank torch.save files (not DCP): what FSDP users write with `torch.save` on every rank.
+
+
+def _train_tiny_lm(model: torch.nn.Module, rank: int, steps: int = 2) -> torch.optim.Optimizer:
+    """A few AdamW steps on rank-specific random batches (so optimizer state is non-trivial)."""
+    import torch.nn.functional as F
+
+    from ckptkit.examples import SEQ_LEN, VOCAB
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.85, 0.97))
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        tokens = torch.randint(VOCAB, (3, SEQ_LEN + 1), generator=data)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def _save_fsdp1_rank_files(rank: int, world_size: int, path: str, reference_path: str) -> None:
+    """Rank body of `write_fsdp1_rank_files`."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from ckptkit.examples import TinyLM, _Adapter, _Block
+
+    torch.manual_seed(0)
+    model = FSDP(
+        TinyLM(),
+        device_id=torch.device("cpu"),
+        auto_wrap_policy=ModuleWrapPolicy({_Block, _Adapter}),  # bf16 adapter: its own unit
+        use_orig_params=True,
+    )
+    optimizer = _train_tiny_lm(model, rank)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {
+            "model": model.state_dict(),
+            "optim": FSDP.optim_state_dict(model, optimizer),
+            "train": {"step": 2, "rank": rank},
+        }
+    torch.save(state, pathlib.Path(path) / f"rank{rank}.pt")
+    # The reference: the model's FULL_STATE_DICT, and the optimizer state as torch's own
+    # ShardedTensor.gather() assembles the saved shards. (On CPU/gloo torch 2.13's FULL
+    # optimizer state dict is unusable: it segfaults with offload_to_cpu + rank0_only, and
+    # otherwise comes back with every exp_avg equal to its exp_avg_sq.)
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)
+    ):
+        full = {"model": model.state_dict(), "optim": _gathered(state["optim"], rank)}
+    if rank == 0:
+        torch.save(full, reference_path)
+
+
+def _gathered(value: Any, rank: int) -> Any:
+    """``value`` with every ShardedTensor gathered to rank 0 (a collective: all ranks call it)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        out = torch.empty(value.size(), dtype=value.dtype) if rank == 0 else None
+        value.gather(dst=0, out=out)
+        return out
+    if isinstance(value, dict):
+        return {k: _gathered(v, rank) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_gathered(v, rank) for v in value]
+    return value
+
+
+def write_fsdp1_rank_files(
+    path: str | os.PathLike, reference_path: str | os.PathLike, world_size: int = 2
+) -> pathlib.Path:
+    """FSDP1 (`device_id=cpu`) TinyLM after 2 AdamW steps; every rank `torch.save`s
+    `{"model", "optim"}` under `SHARDED_STATE_DICT` (ShardedTensors) plus `{"train": {"step",
+    "rank"}}` to `path/rank{N}.pt`; rank 0 saves the FULL_STATE_DICT of the same job."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _spawn(_save_fsdp1_rank_files, world_size, str(path), str(reference_path))
+    return path
+
+
+def _full(value: Any) -> Any:
+    """`value` with every DTensor gathered to a full tensor (a collective: all ranks call it)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full(v) for v in value]
+    return value
+
+
+def _save_fsdp2_rank_files(rank: int, world_size: int, path: str, reference_path: str) -> None:
+    """Rank body of `write_fsdp2_rank_files`."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptkit.examples import TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for module in [*model.blocks, model.adapter, model]:
+        fully_shard(module, mesh=mesh)
+    optimizer = _train_tiny_lm(model, rank)
+    hsdp_mesh = init_device_mesh("cpu", (1, world_size))  # (replicate, shard), as HSDP uses
+    gen = torch.Generator().manual_seed(7)
+    extra = {
+        "columns": distribute_tensor(
+            torch.randn(5, 2 * world_size + 1, generator=gen), mesh, [Shard(1)]
+        ),
+        "replicated": distribute_tensor(torch.randn(3, 4, generator=gen), mesh, [Replicate()]),
+        "hsdp": distribute_tensor(
+            torch.randn(9, 4, generator=gen), hsdp_mesh, [Replicate(), Shard(0)]
+        ),
+    }
+    state = {
+        "model": model.state_dict(),
+        "optim": optimizer.state_dict(),
+        "train": {"extra": extra, "rank": rank},
+    }
+    torch.save(state, pathlib.Path(path) / f"rank{rank}.pt")
+    bare = pathlib.Path(path).parent / "bare"  # `torch.save(model.state_dict())` alone
+    bare.mkdir(exist_ok=True)
+    torch.save(model.state_dict(), bare / f"rank{rank}.pt")
+    full = _full(state)
+    if rank == 0:
+        torch.save(full, reference_path)
+
+
+def write_fsdp2_rank_files(
+    path: str | os.PathLike, reference_path: str | os.PathLike, world_size: int = 2
+) -> pathlib.Path:
+    """FSDP2 TinyLM after 2 AdamW steps; every rank `torch.save`s its DTensor `model.state_dict()`
+    and `optimizer.state_dict()` plus `train.extra` DTensors sharded by columns, replicated, and on
+    a 2-D (1, world_size) mesh, to `path/rank{N}.pt` (and the bare model state dict alone to
+    `path/../bare/rank{N}.pt`); rank 0 saves them all gathered."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _spawn(_save_fsdp2_rank_files, world_size, str(path), str(reference_path))
+    return path

@@ -6,16 +6,21 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..catalog import Catalog
-from ..errors import FormatError, MissingFileError
+from ..errors import AccessDeniedError, FormatError, MissingFileError
 from ..storage import Storage
-from . import dcp, safetensors, torch_save
+from . import dcp, hf_dcp, legacy, olmo, olmo_core_v0, olmo_local, safetensors, torch_save
 from .detection import Detection
 
 #: Adapters in detection order: the first whose ``detect`` answers wins (a directory holding
 #: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
 ADAPTERS: dict[str, ModuleType] = {
+    olmo.NAME: olmo,  # a step dir holds model_and_optim/.metadata: before dcp
     dcp.NAME: dcp,
+    olmo_local.NAME: olmo_local,
+    olmo_core_v0.NAME: olmo_core_v0,
+    hf_dcp.NAME: hf_dcp,
     safetensors.NAME: safetensors,
+    legacy.NAME: legacy,  # rank{N}.pt are torch.save zips too: before torch_save
     torch_save.NAME: torch_save,
 }
 
@@ -33,13 +38,15 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
             return found
     try:
         listing = sorted(storage.listdir())
-    except MissingFileError:
+    except MissingFileError as exc:
+        if isinstance(exc.__cause__, AccessDeniedError):  # a store refusing everything (403)
+            raise exc.__cause__ from None
         raise MissingFileError(f"{storage.describe()}: no such file or directory") from None
     seen = ", ".join(listing[:12]) + (" …" if len(listing) > 12 else "") if listing else "nothing"
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
-        f"__<rank>.metadata, model_and_optim/.metadata, *.safetensors, "
-        f"*.safetensors.index.json, torch.save zips (*.pt, *.pth, *.bin); found {seen}"
+        f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
+        f"*.safetensors.index.json, rank<N>.pt, torch.save zips (*.pt, *.pth, *.bin); found {seen}"
     )
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from typing import Any
 
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..pickle_limits import METADATA_LIMITS
 from ..storage import Storage
 from ..unpickler import COMMON_GLOBALS, paused_gc, safe_loads
 from .detection import Detection
@@ -124,7 +126,7 @@ class _StorageInfo(Record):
             "+".join(_TRANSFORMS.get(d, str(d)) for d in descriptors) if descriptors else None
         )
         self.encoding = Encoding.TORCH_SAVE
-        self.name = self.stride = None
+        self.name = self.stride = self.crc32 = None
         self.storage_offset = 0
 
 
@@ -208,6 +210,9 @@ def detect(storage: Storage) -> Detection | None:
     rank_files = sorted(n for n in names if _RANK_METADATA.match(n))
     if rank_files:
         return Detection(NAME, storage, [f"found rank-local {', '.join(rank_files[:4])}"])
+    data_files = sorted(n for n in names if _DATA_FILE.match(n))
+    if data_files:  # describe() then says that .metadata is missing
+        return Detection(NAME, storage, [f"found {data_files[0]} but no {METADATA}"])
     return None
 
 
@@ -226,7 +231,8 @@ def describe(storage: Storage) -> Catalog:
         )
         if not sources:
             raise MissingFileError(
-                f"{storage.describe(METADATA)}: no such file (not a DCP directory?)"
+                f"{storage.describe(METADATA)}: no such file: the .distcp data files are "
+                "there but the metadata is not (an interrupted save, or an incomplete copy)"
             )
     builder = _CatalogBuilder(storage)
     with paused_gc():
@@ -238,7 +244,7 @@ def describe(storage: Storage) -> Catalog:
 def _load_metadata(storage: Storage, name: str) -> _Metadata:
     source = storage.describe(name)
     with storage.open_sequential(name) as stream:
-        metadata = safe_loads(stream, allow=ALLOWED_GLOBALS, source=source)
+        metadata = safe_loads(stream, allow=ALLOWED_GLOBALS, source=source, limits=METADATA_LIMITS)
     if not isinstance(metadata, _Metadata) or not isinstance(
         metadata.get("state_dict_metadata"), dict
     ):
@@ -260,11 +266,11 @@ class _CatalogBuilder:
     def add(self, name: str, metadata: _Metadata, metadata_rank: int | None) -> None:
         source = self.storage.describe(name)
         self.info["metadata_files"].append(name)
-        self.info.setdefault("version", metadata.get("version"))
+        self.info.setdefault("version", _scalar(metadata.get("version")))
         storage_meta = metadata.get("storage_meta")
         if isinstance(storage_meta, _StorageMeta) and "save_id" not in self.info:
-            self.info["checkpoint_id"] = storage_meta.get("checkpoint_id")
-            self.info["save_id"] = storage_meta.get("save_id")
+            self.info["checkpoint_id"] = _scalar(storage_meta.get("checkpoint_id"))
+            self.info["save_id"] = _scalar(storage_meta.get("save_id"))
         planner_data = metadata.get("planner_data")
         if not isinstance(planner_data, dict):
             planner_data = {}
@@ -274,9 +280,9 @@ class _CatalogBuilder:
             if not isinstance(fqn, str):
                 raise FormatError(f"{source}: non-string key {fqn!r}")
             path = planner_data.get(fqn)
-            self.paths.setdefault(
-                fqn, tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
-            )
+            if not (isinstance(path, tuple | list) and path and all(map(_is_part, path))):
+                path = (fqn,)
+            self.paths.setdefault(fqn, tuple(path))
             if isinstance(item, _BytesStorageMetadata):
                 self._kind(fqn, ("object", None, None), source)
             elif isinstance(item, _TensorStorageMetadata):
@@ -311,7 +317,8 @@ class _CatalogBuilder:
                 raise FormatError(f"{source}: malformed storage_data entry")
             fqn = index.fqn
             if (
-                not isinstance(info.file, str)
+                type(fqn) is not str
+                or not isinstance(info.file, str)
                 or type(info.offset) is not int
                 or type(info.length) is not int
             ):
@@ -338,10 +345,17 @@ class _CatalogBuilder:
             else:  # no usable index hint: look the chunk up by its offsets
                 if fqn not in by_offsets:
                     by_offsets[fqn] = {c.offsets: c for c in chunks}
-                chunk = by_offsets[fqn].get(tuple(index.offset))
+                offset = index.offset
+                offset = tuple(offset) if isinstance(offset, list | tuple) else None
+                chunk = (
+                    by_offsets[fqn].get(offset)
+                    if _is_box(offset, len(self.kinds[fqn][2]))
+                    else None
+                )
                 if chunk is None:
                     raise FormatError(
-                        f"{source}: {fqn!r} has a record for no chunk ({index.offset!r})"
+                        f"{source}: {fqn!r} has a record for no chunk "
+                        f"({reprlib.repr(index.offset)})"
                     )
             chunk.record, chunk.rank = info, rank
             # SerializationFormat.SAFETENSORS: the record is the file's safetensors blob and its
@@ -389,6 +403,17 @@ def _is_box(value: Any, ndim: int | None) -> bool:
         return not value or (type(sum(value)) is int and min(value) >= 0)
     except TypeError:
         return False
+
+
+def _scalar(value: Any) -> Any:
+    """A metadata field kept for display: a string or number, else dropped (it could be any
+    structure the pickle built)."""
+    return value if isinstance(value, str | int | float) else None
+
+
+def _is_part(part: Any) -> bool:
+    """A step of a planner_data path: a dict key (str) or a list index (int)."""
+    return type(part) is str or type(part) is int
 
 
 def _rank(file: str, default: int | None) -> int | None:

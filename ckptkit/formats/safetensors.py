@@ -6,20 +6,24 @@ dropped): the path is ``(group, name)``, so ``nest`` gives the flat dicts
 ``safetensors.torch.load_file`` returns (``{"model": {"embed.weight": …}}``) and keys line up
 with a DCP checkpoint of the same run whether the file or its directory is opened. In a directory, torch.save files of groups the
 safetensors do not hold (``train.pt``, ckptkit's ``model.objects.pt`` side files) are described
-too; ``model.pt`` next to ``model.safetensors`` is left out.
+too; ``model.pt`` next to ``model.safetensors`` is left out. Files whose tensor names are ALL
+OLMo's base64-pickled key paths (``unshard.py --safe-tensors``) are described by the decoded paths;
+their pickled non-tensor values are read to list their leaves as object entries.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
-from ..errors import CorruptRecordError, FormatError, MissingFileError
-from ..records import parse_safetensors_header, safetensors_header_length
+from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
+from ..records import SafetensorsHeader, parse_safetensors_header, safetensors_header_length
 from ..storage import Storage
+from ..unpickler import OBJECT_GLOBALS, safe_loads
 from . import torch_save
 from .detection import Detection, file_location
 
@@ -151,21 +155,23 @@ def _describe_safetensors(
     for file in files:
         if sizes[file] is None:
             raise MissingFileError(f"{storage.describe(file)}: no such file")
-    prefixes = storage.read_ranges([(file, 0, 8) for file in files])
-    lengths = [
-        safetensors_header_length(prefix, storage.describe(file))
-        for file, prefix in zip(files, prefixes, strict=True)
-    ]
-    raws = storage.read_ranges([(file, 8, 8 + n) for file, n in zip(files, lengths, strict=True)])
+    headers = read_headers(storage, files)
     entries: dict[str, Entry] = {}
+    held: set[str] = set()  # <group>.<name as stored>, for the index check
+    pending: list[tuple[tuple, Record]] = []  # OLMo's pickled values, decoded below
     metadata = info.setdefault("metadata", {})
-    for file, raw in zip(files, raws, strict=True):
+    for file, header in headers.items():
         source = storage.describe(file)
-        header = parse_safetensors_header(raw, source)
         metadata[file] = header.metadata
         group = groups[file]
+        olmo = olmo_keys(header.tensors, source)
+        if olmo:
+            info.setdefault("olmo_base64_keys", []).append(file)
         for name, (dt, shape, begin, end) in header.tensors.items():
-            key = f"{group}.{name}"
+            held.add(f"{group}.{name}")
+            path, pickled = olmo[name] if olmo else ((name,), False)
+            path = (group, *path)
+            key = ".".join(map(str, path))
             if key in entries:
                 raise FormatError(f"{source}: tensor {key!r} is also in another file")
             if not 0 <= begin <= end or header.data_start + end > sizes[file]:
@@ -177,17 +183,89 @@ def _describe_safetensors(
                     f"{source}: {name!r} has {end - begin} bytes, {dt.name}{list(shape)} needs "
                     f"{math.prod(shape) * dt.itemsize}"
                 )
+            if pickled:  # OLMo: a uint8 tensor holding pickle.dumps of a non-tensor value
+                record = Record(file, header.data_start + begin, end - begin, Encoding.PICKLE_BYTES)
+                pending.append((path, record))
+                continue
             record = (
                 Record(file, header.data_start + begin, end - begin, Encoding.RAW)
                 if end > begin
                 else None
             )
-            path = (group, name)
             chunk = Chunk((0,) * len(shape), shape, record)
             entries[key] = Entry(key, path, "tensor", (chunk,), dt, shape)
-    missing = [key for key in listed if key not in entries]
+    for key, entry in _pickled_entries(storage, pending).items():
+        if key in entries:
+            raise FormatError(f"{storage.describe(entry.chunks[0].record.file)}: {key!r} twice")
+        entries[key] = entry
+    missing = [key for key in listed if key not in held]
     if missing:
         raise FormatError(
             f"{storage.describe(listed[missing[0]])}: lists {missing[0]!r}, which no shard holds"
         )
+    return entries
+
+
+def olmo_keys(tensors: Mapping[str, Any], source: str) -> dict[str, tuple[tuple, bool]] | None:
+    """OLMo's ``unshard.py --safe-tensors`` names every tensor
+    ``urlsafe_b64encode(pickle.dumps((key_path, value_is_pickled)))``: each name → its decoded
+    ``(path, pickled)`` when ALL names decode so (tuples of str/int, no globals), else None."""
+    decoded = {}
+    for name in tensors:
+        try:
+            raw = base64.b64decode(name, altchars=b"-_", validate=True)
+        except ValueError:
+            return None
+        if not raw.startswith(b"\x80"):
+            return None
+        try:
+            value = safe_loads(raw, allow={}, source=f"{source}: tensor name {name!r}")
+        except CheckpointError:
+            return None
+        if not (
+            isinstance(value, tuple)
+            and len(value) == 2
+            and isinstance(value[0], tuple)
+            and value[0]
+            and all(type(part) in (str, int) for part in value[0])
+            and type(value[1]) is bool
+        ):
+            return None
+        decoded[name] = (tuple(str(part) for part in value[0]), value[1])
+    return decoded or None
+
+
+def read_headers(storage: Storage, files: list[str]) -> dict[str, SafetensorsHeader]:
+    """Each safetensors file's parsed header, in two batched rounds of range reads."""
+    prefixes = storage.read_ranges([(file, 0, 8) for file in files])
+    lengths = [
+        safetensors_header_length(prefix, storage.describe(file))
+        for file, prefix in zip(files, prefixes, strict=True)
+    ]
+    raws = storage.read_ranges([(file, 8, 8 + n) for file, n in zip(files, lengths, strict=True)])
+    return {
+        file: parse_safetensors_header(raw, storage.describe(file))
+        for file, raw in zip(files, raws, strict=True)
+    }
+
+
+def _pickled_entries(storage: Storage, pending: list[tuple[tuple, Record]]) -> dict[str, Entry]:
+    """An object entry per leaf of each pickled value (walked as torch flattens, so OLMo's
+    ``param_groups`` gives ``optim.param_groups.0.lr`` as a torch.save ``optim.pt`` does)."""
+    blobs = storage.read_ranges([(r.file, r.offset, r.offset + r.length) for _, r in pending])
+    entries = {}
+    for (path, record), blob in zip(pending, blobs, strict=True):
+        source = f"{storage.describe(record.file)} @{record.offset}"
+        value = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
+        for inner, _ in torch_save.leaves(value):
+            leaf = Record(
+                record.file,
+                record.offset,
+                record.length,
+                Encoding.PICKLE_BYTES,
+                name=json.dumps(list(inner)),
+            )
+            full = (*path, *inner)
+            key = ".".join(map(str, full))
+            entries[key] = Entry(key, full, "object", (Chunk((), (), leaf),))
     return entries

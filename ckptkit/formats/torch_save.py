@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
@@ -110,6 +111,40 @@ def describe_files(
     files = list(groups)
     if not files:
         return {}
+    pickled = load_pickles(storage, files, sizes)
+    entries: dict[str, Entry] = {}
+    owners: dict[str, str] = {}  # key → the file it came from, for clash messages
+    for file in files:
+        for entry in pickle_entries(pickled[file], groups[file]):
+            if entry.key in owners:
+                raise FormatError(
+                    f"{pickled[file].source}: key {entry.key!r} is also in {owners[entry.key]}"
+                )
+            owners[entry.key] = file
+            entries[entry.key] = entry
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    """One torch.save file's ``data.pkl``, decoded safely, and where its pieces lie in the file."""
+
+    file: str
+    value: Any
+    index: ZipIndex
+    offset: int  # of data.pkl in the file
+    length: int
+    source: str
+
+
+def load_pickles(
+    storage: Storage,
+    files: list[str],
+    sizes: Mapping[str, int | None] | None = None,
+    allow: Mapping[str, Any] = OBJECT_GLOBALS,
+) -> dict[str, Pickled]:
+    """Each torch.save file's decoded ``data.pkl`` (unknown globals as placeholders), reading
+    zip directories and pickles only, in batched rounds."""
     indexes = read_zip_indexes(storage, files, sizes)
     wanted = []  # (file, start, end) of each file's data.pkl, then of its byteorder record
     for file in files:
@@ -121,29 +156,38 @@ def describe_files(
             (file, order.offset, order.offset + order.size),
         ]
     blobs = storage.read_ranges(wanted)
-    entries: dict[str, Entry] = {}
-    owners: dict[str, str] = {}  # key → the file it came from, for clash messages
+    pickled = {}
     for position, file in enumerate(files):
         source = storage.describe(file)
         data, order = blobs[2 * position], blobs[2 * position + 1]
         if order not in (b"", b"little"):
             raise CorruptRecordError(f"{source}: big-endian torch.save files are not supported")
-        value = safe_loads(data, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
-        for inner, leaf in leaves(value):
-            path = (groups[file], *inner)
-            key = ".".join(map(str, path))
-            if key in owners:
-                raise FormatError(f"{source}: key {key!r} is also in {owners[key]}")
-            owners[key] = file
-            if isinstance(leaf, TensorRef):
-                entries[key] = _tensor_entry(key, path, leaf, indexes[file], source)
-            else:
-                offset = wanted[2 * position][1]
-                record = Record(
-                    file, offset, len(data), Encoding.PICKLE_LEAF, name=json.dumps(list(inner))
-                )
-                entries[key] = Entry(key, path, "object", (Chunk((), (), record),))
-    return entries
+        value = safe_loads(data, allow=allow, source=source, unknown="opaque")
+        offset = wanted[2 * position][1]
+        pickled[file] = Pickled(file, value, indexes[file], offset, len(data), source)
+    return pickled
+
+
+def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) -> Iterator[Entry]:
+    """An entry per leaf of a decoded file, under ``group``: tensors as RAW records, other
+    leaves as PICKLE_LEAF; top-level keys in ``exclude`` are left out."""
+    for inner, leaf in leaves(pickled.value):
+        if inner and inner[0] in exclude:
+            continue
+        path = (group, *inner)
+        key = ".".join(map(str, path))
+        if isinstance(leaf, TensorRef):
+            yield _tensor_entry(key, path, leaf, pickled.index, pickled.source)
+        else:
+            record = Record(
+                pickled.file,
+                pickled.offset,
+                pickled.length,
+                Encoding.PICKLE_LEAF,
+                name=json.dumps(list(inner)),
+                crc32=pickled.index.member("data.pkl", pickled.source).crc32,
+            )
+            yield Entry(key, path, "object", (Chunk((), (), record),))
 
 
 def leaves(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple, Any]]:
@@ -178,6 +222,20 @@ def _tensor_entry(
     key: str, path: tuple[str | int, ...], ref: TensorRef, index: ZipIndex, source: str
 ) -> Entry:
     """A tensor as one chunk whose RAW record covers exactly the bytes its view spans."""
+    record = tensor_record(key, ref, index, source)
+    return Entry(
+        key,
+        path,
+        "tensor",
+        (Chunk((0,) * len(ref.shape), ref.shape, record),),
+        ref.dtype,
+        ref.shape,
+    )
+
+
+def tensor_record(key: str, ref: TensorRef, index: ZipIndex, source: str) -> Record | None:
+    """The RAW record of the bytes ``ref``'s view spans in its storage member (None when the
+    tensor has no elements); checks that the view fits in the storage."""
     member = index.member(f"data/{ref.storage.key}", source)
     dt, shape, stride = ref.dtype, ref.shape, ref.stride
     storage_dtype = ref.storage.dtype
@@ -208,11 +266,13 @@ def _tensor_entry(
                 f"{ref.storage_offset}) does not fit in storage {ref.storage.key} of "
                 f"{available} elements"
             )
+        whole = ref.storage_offset == 0 and extent * dt.itemsize == member.size
         record = Record(
             index.file,
             member.offset + ref.storage_offset * dt.itemsize,
             extent * dt.itemsize,
             Encoding.RAW,
             stride=stride,
+            crc32=member.crc32 if whole else None,  # the zip's CRC covers the whole storage
         )
-    return Entry(key, path, "tensor", (Chunk((0,) * len(shape), shape, record),), dt, shape)
+    return record

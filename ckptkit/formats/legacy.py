@@ -1,0 +1,768 @@
+"""Per-rank torch.save files ``rank{N}.pt``: FSDP1 ``SHARDED_STATE_DICT``, OLMo "legacy" /
+"torch_legacy" checkpoints, and per-rank ``torch.save`` of FSDP2 DTensors.
+
+Each rank's file holds that rank's local piece of every sharded tensor:
+
+- a ShardedTensor (FSDP1): its local ``Shard`` (a tensor plus ``ShardMetadata`` offsets, sizes
+  and placement) and the global ``ShardedTensorMetadata`` listing every rank's shard;
+- a DTensor (FSDP2): its local tensor plus its placements on a device mesh and this rank's
+  coordinate in the mesh.
+
+torch cannot unpickle ShardedTensors without a process group. Here the pickles go through the
+safe unpickler with plain stand-ins for those classes (nothing from torch is imported or run),
+and all ranks' pieces become one catalog: each tensor's chunks carry global offsets/sizes and
+RAW records into the rank files' storage members. No tensor bytes are read to describe it.
+
+Groups. A file with a top-level ``model`` or ``optim`` key keeps those as groups; a top-level
+``train`` dict is group ``train``, and every other top-level key is trainer state put under
+``train`` (OLMo spreads its trainer state at the top level: ``global_step`` → ``train.global_step``),
+so ``unshard`` writes the ``model.pt`` / ``optim.pt`` / ``train.pt`` split OLMo's own unsharder
+does. A bare dict holding sharded tensors is a model state dict (group ``model``); any other bare
+dict is trainer state (group ``train``, e.g. OLMo's ``train/rank{N}.pt``).
+
+Per-rank values. A key that is not sharded (optimizer ``step`` tensors, buffers, trainer state)
+is one entry whose chunks are every rank's copy, rank 0 first, each with its ``rank``: reads give
+rank 0's value (what OLMo keeps), ``ckpt.chunks`` / ``ckpt.objects`` show which ranks hold it and
+``Checkpoint.read(key, rank=N)`` / ``read_object(key, rank=N)`` give another rank's.
+
+Validation. Ranks 0..N-1 must all be present: the world size comes from the ShardedTensors'
+``ProcessGroupState`` and shard placements and from DTensor meshes (at least the highest rank
+file + 1); a missing ``rankK.pt`` is a :class:`FormatError` naming it, as is a file whose contents
+say another rank wrote it (a duplicated rank) or a shard no file holds. A ``stepN-tmp``
+directory (OLMo saves there and renames it when done) opens with ``info["unfinished"]`` and a
+warning; plain FSDP rank files have no completion marker to check.
+
+Pickle safety. The rank files' pickles are decoded with :data:`ALLOWED_GLOBALS`. Everything that
+builds a tensor (``_rebuild_from_type_v2``, ``_rebuild_wrapper_subclass``, ``getattr``) accepts
+only these stand-ins and raises :class:`UnsafePickleError` for anything else; other unknown
+globals (user objects in trainer state) become named :class:`~ckptkit.unpickler.Opaque`
+placeholders, as in any torch.save file. ``builtins.getattr`` is allowed for exactly one pair,
+``(ShardedTensor, "ProcessGroupState")``, which is how ShardedTensor pickles its process-group
+state class.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..dtypes import DType
+from ..errors import CoverageError, FormatError, MissingFileError, UnsafePickleError
+from ..storage import Storage
+from ..unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
+from . import dcp
+from .detection import Detection, file_location
+from .torch_save import Pickled, leaves, load_pickles, tensor_record
+
+NAME = "legacy"
+RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+#: OLMo writes its run config beside the rank files (rank 0, after them).
+CONFIG_FILE = "config.yaml"
+#: Top-level keys that are groups of their own; every other top-level key is trainer state.
+STATE_GROUPS = ("model", "optim")
+TRAIN_GROUP = "train"
+
+# --------------------------------------------------------------------------------------------
+# Stand-ins for the classes ShardedTensor and DTensor pickles name.
+
+
+class _Standin:
+    """A torch class stand-in: built (NEWOBJ/REDUCE) with its arguments, given its pickled state
+    (BUILD) as a dict; nothing of torch's class runs."""
+
+    def __new__(cls, *args: Any) -> _Standin:
+        obj = object.__new__(cls)
+        obj.args, obj.fields = args, {}
+        return obj
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.fields = _state_fields(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.fields.get(name, default)
+
+
+def _state_fields(state: Any) -> dict:
+    """A pickled state as one dict: the ``__dict__`` form, or ``(dict | None, slots dict)``."""
+    if isinstance(state, dict):
+        return state
+    if (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and (state[0] is None or isinstance(state[0], dict))
+        and isinstance(state[1], dict)
+    ):
+        return {**(state[0] or {}), **state[1]}
+    return {}
+
+
+class _ProcessGroupState(_Standin):
+    """``ShardedTensor.ProcessGroupState``: local/global rank and world size of the writer."""
+
+
+class _WrapperTensor(_Standin):
+    """A tensor subclass rebuilt by ``_rebuild_wrapper_subclass``: global dtype and shape."""
+
+    dtype: Any = None
+    shape: Any = None
+
+
+class _ShardedTensor(_WrapperTensor):
+    """FSDP1's ShardedTensor: local shards plus the global metadata of every rank's shard."""
+
+    #: Reachable only through the one ``getattr`` the allowlist permits.
+    ProcessGroupState = _ProcessGroupState
+    local_shards: Any = None
+    metadata: Any = None
+    pg_state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        # ShardedTensor.__reduce__ state: (local_shards, metadata, pg_state, sharding_spec, rrefs)
+        if isinstance(state, tuple) and len(state) >= 3:
+            self.local_shards, self.metadata, self.pg_state = state[0], state[1], state[2]
+
+
+class _DTensor(_WrapperTensor):
+    """A DTensor: ``_local_tensor`` and ``_spec`` (mesh, placements, tensor_meta)."""
+
+
+class _Shard(_Standin):
+    pass
+
+
+class _ShardMetadata(_Standin):
+    pass
+
+
+class _ShardedTensorMetadata(_Standin):
+    pass
+
+
+class _ChunkShardingSpec(_Standin):
+    pass
+
+
+class _RemoteDevice(_Standin):
+    pass
+
+
+class _DTensorSpec(_Standin):
+    pass
+
+
+class _TensorMeta(_Standin):
+    """A NamedTuple ``(shape, stride, dtype)``, built from its arguments."""
+
+
+class _DeviceMesh(_Standin):
+    pass
+
+
+class _MeshLayout(_Standin):
+    pass
+
+
+class _Placement(_Standin):
+    pass
+
+
+class _ShardPlacement(_Placement):
+    """``Shard(dim)``."""
+
+
+class _ReplicatePlacement(_Placement):
+    """``Replicate()``."""
+
+
+class _UnsupportedPlacement(_Placement):
+    """``Partial`` (values not reduced yet) or ``_StridedShard``: refused when describing."""
+
+
+_UNSUPPORTED: dict[str, type[_UnsupportedPlacement]] = {}
+
+
+def _name(value: Any) -> str:
+    """How a refused value is named in messages: an unknown global by its name."""
+    if isinstance(value, type) and issubclass(value, Opaque):
+        return value.global_name
+    if isinstance(value, Opaque):
+        return type(value).global_name
+    if isinstance(value, type):
+        return value.__name__
+    return type(value).__name__
+
+
+def _getattr(obj: Any, name: Any, *default: Any) -> Any:
+    """``builtins.getattr`` for the one pair ShardedTensor pickles use, and nothing else."""
+    if obj is _ShardedTensor and name == "ProcessGroupState" and not default:
+        return _ProcessGroupState
+    raise UnsafePickleError(
+        f"pickle calls builtins.getattr({_name(obj)}, {str(name)[:40]!r}); only "
+        "getattr(ShardedTensor, 'ProcessGroupState') is allowed, nothing was run",
+        global_name="builtins.getattr",
+    )
+
+
+def _rebuild_wrapper_subclass(
+    cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, *_ignored: Any
+) -> _WrapperTensor:
+    """``torch._utils._rebuild_wrapper_subclass`` for ShardedTensor and DTensor only."""
+    if not (isinstance(cls, type) and issubclass(cls, _WrapperTensor)):
+        raise UnsafePickleError(
+            f"pickle rebuilds a tensor subclass {_name(cls)}; only ShardedTensor and DTensor "
+            "are decoded, nothing was run",
+            global_name=_name(cls),
+        )
+    obj = cls()
+    obj.dtype = dtype
+    obj.shape = tuple(size) if isinstance(size, (tuple, list)) else size
+    return obj
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> _WrapperTensor:
+    """``torch._tensor._rebuild_from_type_v2`` as ShardedTensor and DTensor pickles use it."""
+    if unsealed(func) is not _rebuild_wrapper_subclass:
+        raise UnsafePickleError(
+            f"pickle rebuilds a tensor with {_name(func)}; only _rebuild_wrapper_subclass of "
+            "ShardedTensor / DTensor is decoded, nothing was run",
+            global_name=_name(func),
+        )
+    if not isinstance(args, tuple) or not args or args[0] is not new_type:
+        raise UnsafePickleError(
+            f"pickle rebuilds {_name(new_type)} from other arguments than torch writes",
+            global_name=_name(new_type),
+        )
+    obj = _rebuild_wrapper_subclass(*args)
+    obj.__setstate__(state)
+    return obj
+
+
+def _device(kind: Any, index: Any = None) -> str:
+    """``torch.device('cpu')`` as the string ``'cpu'`` (``'cuda:0'`` with an index)."""
+    if not isinstance(kind, str) or (index is not None and type(index) is not int):
+        raise UnsafePickleError(
+            "torch.device called with unexpected arguments", global_name="torch.device"
+        )
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _allowed_globals() -> dict[str, Any]:
+    allow: dict[str, Any] = {
+        **OBJECT_GLOBALS,
+        "builtins.getattr": _getattr,
+        "torch.device": _device,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+        "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _ShardedTensor,
+        "torch.distributed._shard.sharded_tensor.shard.Shard": _Shard,
+        "torch.distributed._shard.metadata.ShardMetadata": _ShardMetadata,
+        "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata": (
+            _ShardedTensorMetadata
+        ),
+        "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec": (
+            _ChunkShardingSpec
+        ),
+        "torch.distributed.remote_device._remote_device": _RemoteDevice,
+        "torch.distributed.device_mesh.DeviceMesh": _DeviceMesh,
+        "torch.distributed._tensor.device_mesh.DeviceMesh": _DeviceMesh,
+        "torch.distributed._mesh_layout._MeshLayout": _MeshLayout,
+        "torch.distributed._mesh_layout._FlatLayout": _MeshLayout,
+    }
+    for name in ("TensorProperties", "MEM_FORMAT_ENCODING"):  # the classes DCP's metadata names
+        full = f"torch.distributed._shard.sharded_tensor.metadata.{name}"
+        allow[full] = dcp.ALLOWED_GLOBALS[full]
+    # DTensor classes: torch >= 2.5 spells them under torch.distributed.tensor, older releases
+    # under torch.distributed._tensor.
+    for module in ("torch.distributed.tensor", "torch.distributed._tensor.api"):
+        allow[f"{module}.DTensor"] = _DTensor
+    for module in (
+        "torch.distributed.tensor._dtensor_spec",
+        "torch.distributed._tensor._dtensor_spec",
+        "torch.distributed._tensor.placement_types",
+    ):
+        allow[f"{module}.DTensorSpec"] = _DTensorSpec
+        allow[f"{module}.TensorMeta"] = _TensorMeta
+        allow[f"{module}.ShardOrderEntry"] = _Standin
+    for module in (
+        "torch.distributed.tensor.placement_types",
+        "torch.distributed._tensor.placement_types",
+    ):
+        allow[f"{module}.Shard"] = _ShardPlacement
+        allow[f"{module}.Replicate"] = _ReplicatePlacement
+        for name in ("Partial", "_Partial", "_StridedShard", "_MaskPartial"):
+            allow[f"{module}.{name}"] = _UNSUPPORTED.setdefault(
+                name, type(name, (_UnsupportedPlacement,), {})
+            )
+    return allow
+
+
+#: What a rank file's pickle may name: the object allowlist plus the stand-ins above.
+ALLOWED_GLOBALS = _allowed_globals()
+
+# --------------------------------------------------------------------------------------------
+# Detection.
+
+
+def rank_files(storage: Storage, listing: Mapping[str, int], prefix: str = "") -> dict[int, str]:
+    """``{rank: name}`` of the ``rank{N}.pt`` files in ``listing``; a rank named twice
+    (``rank1.pt`` and ``rank01.pt``) is a :class:`FormatError`."""
+    found: dict[int, str] = {}
+    for name in sorted(listing):
+        match = RANK_FILE.match(name)
+        if not match or listing[name] < 0:
+            continue
+        rank = int(match.group(1))
+        if rank in found:
+            raise CoverageError(
+                f"{storage.describe(prefix + name)}: rank {rank} is also {prefix + found[rank]}; "
+                "a rank must have exactly one file"
+            )
+        found[rank] = name
+    return {rank: prefix + found[rank] for rank in sorted(found)}
+
+
+def detect(storage: Storage) -> Detection | None:
+    """Legacy per-rank files when the directory holds ``rank{N}.pt`` files (or one is named)."""
+    located = file_location(storage)
+    if located is not None:
+        parent, name = located
+        if not RANK_FILE.match(name):
+            return None
+        return Detection(
+            NAME, parent, [f"{name} is one rank's file; the whole set beside it is opened"]
+        )
+    try:
+        listing = storage.listdir()
+    except MissingFileError:
+        return None
+    names = [name for name in listing if RANK_FILE.match(name) and listing[name] >= 0]
+    if not names:
+        return None
+    names.sort(key=lambda name: int(RANK_FILE.match(name).group(1)))
+    shown = ", ".join(names[:3]) + (f" … {names[-1]}" if len(names) > 3 else "")
+    evidence = [f"per-rank torch.save files {shown}"]
+    if CONFIG_FILE in listing:
+        evidence.append(f"{CONFIG_FILE} (OLMo)")
+    return Detection(NAME, storage, evidence)
+
+
+def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+    """One catalog over every ``rank{N}.pt`` in the directory (``files`` is ignored: one rank
+    of a sharded set cannot be read on its own)."""
+    listing = storage.listdir()
+    by_rank = rank_files(storage, listing)
+    if not by_rank:
+        raise FormatError(f"{storage.describe()}: no rank{{N}}.pt files")
+    ranks = describe_ranks(storage, by_rank, {name: listing[name] for name in by_rank.values()})
+    info: dict[str, Any] = {"world_size": ranks.world_size, "rank_files": list(by_rank.values())}
+    if ranks.sharding:
+        info["sharding"] = ranks.sharding
+    if CONFIG_FILE in listing:
+        info["config_file"] = CONFIG_FILE
+    unfinished = unfinished_name(storage)
+    if unfinished:
+        info["unfinished"] = unfinished
+        warn_unfinished(storage, unfinished)
+    return Catalog(
+        NAME, ranks.entries, list(by_rank.values()), info, object_globals=ALLOWED_GLOBALS
+    )
+
+
+def unfinished_name(storage: Storage) -> str | None:
+    """Why the directory's name says the save did not finish (OLMo and OLMo-core save into
+    ``stepN-tmp`` and rename it when done), or None."""
+    name = posixpath.basename(storage.root.rstrip("/"))
+    if name.endswith("-tmp"):
+        return f"the directory is named {name!r}: a save still in progress or interrupted"
+    return None
+
+
+def warn_unfinished(storage: Storage, reason: str) -> None:
+    """Warn that ``storage`` holds an unfinished save (the warning names the directory)."""
+    warnings.warn(
+        f"{storage.describe()}: unfinished checkpoint ({reason}); opened what is there",
+        stacklevel=5,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Describing a set of rank files.
+
+
+@dataclass
+class _Item:
+    """One key gathered over the ranks."""
+
+    path: tuple[str | int, ...]
+    kind: str
+    dtype: DType | None
+    shape: tuple[int, ...] | None
+    first: str  # the file it was first seen in, as messages name it
+    chunks: list[Chunk] = field(default_factory=list)
+    expected: tuple | None = None  # ShardedTensor: every shard's (offsets, sizes) as metadata says
+
+
+@dataclass
+class RankSet:
+    """The entries of a set of rank files, and what the files say about the world size."""
+
+    entries: dict[str, Entry]
+    files: dict[int, str]
+    world_size: int
+    world_size_from: str
+    authoritative: bool  # the world size was written down (not inferred from files)
+    sharding: str | None  # "ShardedTensor", "DTensor" or None
+
+    def missing(self) -> list[int]:
+        return [rank for rank in range(self.world_size) if rank not in self.files]
+
+    def raise_for_missing(self, storage: Storage) -> None:
+        """A :class:`FormatError` naming the missing rank files (and surplus ones)."""
+        missing = self.missing()
+        if missing:
+            names = [_sibling(self.files, rank) for rank in missing]
+            shown = ", ".join(storage.describe(name) for name in names[:4])
+            raise CoverageError(
+                f"{shown}: missing; world size {self.world_size} ({self.world_size_from}) but "
+                f"only ranks {_ranges(list(self.files))} have files"
+            )
+        surplus = [rank for rank in self.files if rank >= self.world_size]
+        if surplus and self.authoritative:
+            raise CoverageError(
+                f"{storage.describe(self.files[surplus[0]])}: rank {surplus[0]} is beyond the "
+                f"world size {self.world_size} ({self.world_size_from}); mixed checkpoints?"
+            )
+
+
+def describe_ranks(
+    storage: Storage,
+    files: Mapping[int, str],
+    sizes: Mapping[str, int | None] | None = None,
+    group: str | None = None,
+    require_all: bool = True,
+) -> RankSet:
+    """Entries of the rank files ``{rank: path}``, merged over ranks (see the module notes).
+
+    ``group`` puts every file's whole content under that group (``train`` for OLMo's
+    ``train/rank{N}.pt``); None applies the grouping rule of legacy rank files. With
+    ``require_all`` a missing rank is a :class:`FormatError` naming its file; otherwise the
+    caller checks :meth:`RankSet.missing`.
+    """
+    pickled = load_pickles(storage, list(files.values()), sizes, allow=ALLOWED_GLOBALS)
+    builder = _Builder()
+    for rank, file in files.items():
+        builder.add_rank(rank, pickled[file], group)
+    world, source, authoritative = builder.world_size(files)
+    ranks = RankSet({}, dict(files), world, source, authoritative, builder.sharding)
+    if require_all:
+        ranks.raise_for_missing(storage)  # before the shards they lack are reported
+    ranks.entries = builder.finish()
+    return ranks
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.items: dict[str, _Item] = {}
+        self.world_sizes: dict[int, str] = {}  # world size → where it was read
+        self.sharding: str | None = None
+
+    # -- one rank file -------------------------------------------------------------------
+
+    def add_rank(self, rank: int, pickled: Pickled, group: str | None) -> None:
+        for path, inner, leaf in _grouped_leaves(pickled, group):
+            key = ".".join(map(str, path))
+            if isinstance(leaf, _ShardedTensor):
+                self.sharding = "ShardedTensor"
+                dtype, shape, chunks, expected = self._sharded_tensor(key, leaf, rank, pickled)
+                self._add(key, path, "tensor", dtype, shape, chunks, pickled, expected)
+            elif isinstance(leaf, _DTensor):
+                self.sharding = self.sharding or "DTensor"
+                dtype, shape, chunk = self._dtensor(key, leaf, rank, pickled)
+                self._add(key, path, "tensor", dtype, shape, [chunk], pickled)
+            elif isinstance(leaf, TensorRef):
+                record = tensor_record(key, leaf, pickled.index, pickled.source)
+                chunk = Chunk((0,) * len(leaf.shape), leaf.shape, record, rank)
+                self._add(key, path, "tensor", leaf.dtype, leaf.shape, [chunk], pickled)
+            else:
+                record = Record(
+                    pickled.file,
+                    pickled.offset,
+                    pickled.length,
+                    Encoding.PICKLE_LEAF,
+                    name=json.dumps(list(inner)),
+                )
+                self._add(key, path, "object", None, None, [Chunk((), (), record, rank)], pickled)
+
+    def _add(self, key, path, kind, dtype, shape, chunks, pickled, expected=None) -> None:
+        item = self.items.get(key)
+        if item is None:
+            item = self.items[key] = _Item(path, kind, dtype, shape, pickled.source, [], expected)
+        elif (item.kind, item.dtype, item.shape) != (kind, dtype, shape):
+            raise FormatError(
+                f"{pickled.source}: {key!r} is {_what(kind, dtype, shape)} here but "
+                f"{_what(item.kind, item.dtype, item.shape)} in {item.first}"
+            )
+        elif item.expected != expected:
+            raise FormatError(
+                f"{pickled.source}: {key!r} is sharded differently here than in {item.first}; "
+                "are these rank files from one checkpoint?"
+            )
+        item.chunks.extend(chunks)
+
+    def _sharded_tensor(self, key: str, st: _ShardedTensor, rank: int, pickled: Pickled):
+        source = f"{pickled.source}: {key!r}"
+        meta = st.metadata
+        if not isinstance(meta, _ShardedTensorMetadata):
+            raise FormatError(f"{source}: ShardedTensor without ShardedTensorMetadata")
+        shape = _box(meta.get("size"), None, source, "size")
+        properties = meta.get("tensor_properties")
+        dtype = getattr(properties, "dtype", None)
+        if not isinstance(dtype, DType) or dtype != st.dtype:
+            raise FormatError(f"{source}: ShardedTensor dtype {dtype!r} / {st.dtype!r} unknown")
+        if st.shape != shape:
+            raise FormatError(f"{source}: ShardedTensor size {st.shape} != metadata {shape}")
+        local_rank = rank
+        pg = st.pg_state
+        if isinstance(pg, _ProcessGroupState):
+            global_rank, local_rank = pg.get("global_rank"), pg.get("local_rank")
+            world = pg.get("global_world_size")
+            if (
+                type(global_rank) is not int
+                or type(local_rank) is not int
+                or type(world) is not int
+            ):
+                raise FormatError(f"{source}: malformed ShardedTensor process-group state")
+            if global_rank != rank:
+                raise CoverageError(
+                    f"{pickled.source}: holds rank {global_rank}'s shards, not rank {rank}'s "
+                    "(a duplicated or renamed rank file?)"
+                )
+            self.world_sizes.setdefault(world, f"ShardedTensor process group in {pickled.file}")
+        expected = []
+        shards = meta.get("shards_metadata")
+        if not isinstance(shards, list):
+            raise FormatError(f"{source}: ShardedTensorMetadata without shards_metadata")
+        placements = []
+        for shard_meta in shards:
+            offsets, sizes, placed = _shard_box(shard_meta, shape, source)
+            expected.append((offsets, sizes))
+            placements.append(placed)
+        if not isinstance(pg, _ProcessGroupState):
+            known = [p for p in placements if p is not None]
+            if known:
+                self.world_sizes.setdefault(
+                    max(known) + 1, f"ShardedTensor placements in {pickled.file}"
+                )
+        chunks = []
+        for shard in st.local_shards or ():
+            if not isinstance(shard, _Shard):
+                raise FormatError(f"{source}: local shard is {_name(shard)}, not a Shard")
+            offsets, sizes, placed = _shard_box(shard.get("metadata"), shape, source)
+            if placed is not None and placed != local_rank:
+                raise CoverageError(
+                    f"{pickled.source}: holds the shard placed on rank {placed} of {key!r}, "
+                    f"not rank {local_rank}'s (a duplicated or renamed rank file?)"
+                )
+            tensor = shard.get("tensor")
+            if not isinstance(tensor, TensorRef):
+                raise FormatError(f"{source}: local shard holds {_name(tensor)}, not a tensor")
+            if tensor.shape != sizes or tensor.dtype != dtype:
+                raise FormatError(
+                    f"{source}: local shard is {_what('tensor', tensor.dtype, tensor.shape)}, "
+                    f"its metadata says {_what('tensor', dtype, sizes)}"
+                )
+            record = tensor_record(key, tensor, pickled.index, pickled.source)
+            chunks.append(Chunk(offsets, sizes, record, rank))
+        return dtype, shape, chunks, tuple(sorted(expected))
+
+    def _dtensor(self, key: str, dt: _DTensor, rank: int, pickled: Pickled):
+        source = f"{pickled.source}: {key!r}"
+        spec, local = dt.get("_spec"), dt.get("_local_tensor")
+        if not isinstance(spec, _DTensorSpec) or not isinstance(local, TensorRef):
+            raise FormatError(f"{source}: DTensor without a local tensor and spec")
+        shape = _box(dt.shape, None, source, "size")
+        dtype = dt.dtype
+        if not isinstance(dtype, DType) or local.dtype != dtype:
+            raise FormatError(f"{source}: DTensor dtype {dtype!r} / local {local.dtype!r}")
+        mesh = spec.get("mesh")
+        placements = spec.get("placements")
+        if not isinstance(mesh, _DeviceMesh) or not isinstance(placements, (tuple, list)):
+            raise FormatError(f"{source}: DTensor spec without a device mesh and placements")
+        mesh_shape = _mesh_shape(mesh, source)
+        coordinate = mesh.get("_coordinate_on_dim")
+        if (
+            not isinstance(coordinate, (tuple, list))
+            or len(coordinate) != len(mesh_shape)
+            or len(placements) != len(mesh_shape)
+        ):
+            raise FormatError(f"{source}: DTensor mesh coordinate {coordinate!r} does not fit")
+        for entry in spec.get("shard_order") or ():  # torch >= 2.10: (tensor dim, mesh dims)
+            mesh_dims = entry.args[1] if isinstance(entry, _Standin) and len(entry.args) > 1 else ()
+            if isinstance(mesh_dims, (tuple, list)) and list(mesh_dims) != sorted(mesh_dims):
+                raise FormatError(
+                    f"{source}: DTensor shard order {list(mesh_dims)} is not supported "
+                    "(only the default, mesh dimensions left to right)"
+                )
+        mesh_rank = mesh.get("_rank")
+        if type(mesh_rank) is int and mesh_rank != rank:
+            raise CoverageError(
+                f"{pickled.source}: holds rank {mesh_rank}'s DTensors, not rank {rank}'s "
+                "(a duplicated or renamed rank file?)"
+            )
+        self.world_sizes.setdefault(math.prod(mesh_shape), f"DTensor device mesh in {pickled.file}")
+        offsets, sizes = list((0,) * len(shape)), list(shape)
+        for placement, n, coord in zip(placements, mesh_shape, coordinate, strict=True):
+            if isinstance(placement, _ReplicatePlacement):
+                continue
+            dim = placement.get("dim") if isinstance(placement, _ShardPlacement) else None
+            if type(dim) is not int or not -len(shape) <= dim < len(shape):
+                raise FormatError(
+                    f"{source}: DTensor placement {_name(placement)} is not supported "
+                    "(only Shard and Replicate)"
+                )
+            size, offset = _torch_chunk(sizes[dim], n, coord)
+            offsets[dim] += offset
+            sizes[dim] = size
+        sizes = tuple(sizes)
+        if local.shape != sizes:
+            raise FormatError(
+                f"{source}: local tensor has shape {list(local.shape)}, the placements give "
+                f"{list(sizes)}"
+            )
+        record = tensor_record(key, local, pickled.index, pickled.source)
+        return dtype, shape, Chunk(tuple(offsets), sizes, record, rank)
+
+    # -- all ranks -------------------------------------------------------------------------
+
+    def world_size(self, files: Mapping[int, str]) -> tuple[int, str, bool]:
+        """The world size, where it was read, and whether it was written down."""
+        inferred = max(files) + 1
+        if self.world_sizes:
+            world = max(self.world_sizes)
+            if world >= inferred:
+                return world, self.world_sizes[world], True
+        return inferred, f"rank files up to rank{max(files)}.pt", False
+
+    def finish(self) -> dict[str, Entry]:
+        entries = {}
+        for key, item in self.items.items():
+            chunks = tuple(item.chunks)
+            if item.expected is not None:
+                held = {(c.offsets, c.sizes) for c in chunks}
+                lost = [box for box in item.expected if box not in held and math.prod(box[1])]
+                if lost:
+                    offsets, sizes = lost[0]
+                    raise FormatError(
+                        f"{item.first}: no rank file holds the shard of {key!r} at offsets "
+                        f"{list(offsets)} (sizes {list(sizes)})"
+                    )
+            entries[key] = Entry(key, item.path, item.kind, chunks, item.dtype, item.shape)
+        return entries
+
+
+def _grouped_leaves(
+    pickled: Pickled, group: str | None
+) -> Iterator[tuple[tuple[str | int, ...], tuple[str | int, ...], Any]]:
+    """``(catalog path, path in the pickle, leaf)`` of one rank file (grouping: module notes)."""
+    value = pickled.value
+    if not isinstance(value, Mapping):
+        raise FormatError(f"{pickled.source}: holds {_name(value)}, not a state dict")
+    if group is not None:
+        for inner, leaf in leaves(value):
+            yield (group, *inner), inner, leaf
+        return
+    keys = {str(k) for k in value}
+    trainer_layout = any(name in keys for name in STATE_GROUPS)
+    bare_group = (
+        "model"
+        if not trainer_layout and any(_is_sharded(leaf) for _, leaf in leaves(value))
+        else TRAIN_GROUP
+    )
+    for inner, leaf in leaves(value):
+        top = inner[0] if inner else None
+        if trainer_layout and (
+            top in STATE_GROUPS or (top == TRAIN_GROUP and isinstance(value[top], Mapping))
+        ):
+            yield inner, inner, leaf
+        elif trainer_layout:
+            yield (TRAIN_GROUP, *inner), inner, leaf
+        else:
+            yield (bare_group, *inner), inner, leaf
+
+
+def _is_sharded(leaf: Any) -> bool:
+    return isinstance(leaf, (_ShardedTensor, _DTensor))
+
+
+def _shard_box(meta: Any, shape: tuple[int, ...], source: str):
+    """``(offsets, sizes, placement rank)`` of a ShardMetadata, checked against the shape."""
+    if not isinstance(meta, _ShardMetadata):
+        raise FormatError(f"{source}: shard without ShardMetadata")
+    offsets = _box(meta.get("shard_offsets"), len(shape), source, "shard offsets")
+    sizes = _box(meta.get("shard_sizes"), len(shape), source, "shard sizes")
+    if any(o + n > full for o, n, full in zip(offsets, sizes, shape, strict=True)):
+        raise FormatError(f"{source}: shard {list(offsets)}+{list(sizes)} exceeds {list(shape)}")
+    placement = meta.get("placement")
+    placed = placement.get("_rank") if isinstance(placement, _RemoteDevice) else None
+    return offsets, sizes, placed if type(placed) is int else None
+
+
+def _box(value: Any, ndim: int | None, source: str, what: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, (tuple, list))
+        or (ndim is not None and len(value) != ndim)
+        or not all(type(n) is int and n >= 0 for n in value)
+    ):
+        raise FormatError(f"{source}: malformed {what} {value!r}")
+    return tuple(value)
+
+
+def _mesh_shape(mesh: _DeviceMesh, source: str) -> tuple[int, ...]:
+    """The device mesh's size per dimension: from its layout (torch >= 2.10) or its rank tensor."""
+    layout = mesh.get("_layout")
+    if isinstance(layout, _MeshLayout):
+        axes = layout.get("axes")
+        if isinstance(axes, (tuple, list)) and all(isinstance(a, _MeshLayout) for a in axes):
+            shapes = [a.get("shape") for a in axes]
+            if all(isinstance(s, tuple) and all(type(n) is int for n in s) for s in shapes):
+                return tuple(math.prod(s) for s in shapes)
+    ranks = mesh.get("mesh")
+    if isinstance(ranks, TensorRef):
+        return ranks.shape
+    raise FormatError(f"{source}: cannot tell the DTensor device mesh's shape")
+
+
+def _torch_chunk(n: int, chunks: int, index: Any) -> tuple[int, int]:
+    """``(size, offset)`` of piece ``index`` when ``torch.chunk`` splits ``n`` into ``chunks``."""
+    if type(index) is not int or not 0 <= index < chunks:
+        raise FormatError(f"mesh coordinate {index!r} outside a mesh dimension of {chunks}")
+    full = -(-n // chunks)
+    start = min(n, full * index)
+    return max(0, min(n, start + full) - start), start
+
+
+def _sibling(files: Mapping[int, str], rank: int) -> str:
+    """The name rank ``rank``'s file would have, beside the others."""
+    directory = posixpath.dirname(next(iter(files.values()))) if files else ""
+    return posixpath.join(directory, f"rank{rank}.pt")
+
+
+def _ranges(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}..{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def _what(kind: str, dtype: DType | None, shape: tuple[int, ...] | None) -> str:
+    return f"a {dtype.name}{list(shape)} tensor" if kind == "tensor" and dtype else "an object"
