@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers: oracle.py, writers.py
 
+import s3server  # noqa: E402
 import writers  # noqa: E402
 
 
@@ -43,3 +44,22 @@ def written(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def s3() -> s3server.Server:
+    """A real S3-protocol server (moto) on 127.0.0.1 for the session; ``AWS_ENDPOINT_URL`` and
+    dummy credentials are exported, and ``s3.traffic`` logs requests and injects failures."""
+    return s3server.shared()
+
+
+def pytest_collection_finish(session) -> None:
+    """Notebooks that use S3 (mention ``AWS_ENDPOINT_URL``) get the session's server: start it
+    before their kernels start, so they inherit its address."""
+    notebooks = {Path(str(item.fspath)) for item in session.items}
+    if any(p.suffix == ".ipynb" and "AWS_ENDPOINT_URL" in p.read_text() for p in notebooks):
+        s3server.shared()
+
+
+def pytest_sessionfinish(session) -> None:
+    s3server.stop_shared()
