@@ -35,3 +35,33 @@ class KeyNotFoundError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0]) if self.args else ""
+
+
+class AccessDeniedError(CheckpointError, PermissionError):
+    """The store refused access to a file (HTTP 401/403, or local permissions)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """Reading or writing a file failed for another reason, e.g. a store still failing after
+    retries (5xx, throttling, dropped connections)."""
+
+
+class TruncatedFileError(CorruptRecordError):
+    """A file ends before a record it should hold (an interrupted save or download)."""
+
+
+class ChecksumError(CorruptRecordError):
+    """A record's bytes do not match the CRC-32 stored with them (bit rot, a bad copy)."""
+
+
+class MismatchError(CorruptRecordError):
+    """A record describes a different tensor than the metadata says (dtype, shape, size)."""
+
+
+class CoverageError(FormatError):
+    """A tensor's chunks overlap or leave holes, or a set of rank files is incomplete."""
+
+
+class LimitExceededError(UnsafePickleError):
+    """A pickle exceeds a resource limit (size, memo, nesting, container size): refused before
+    it could allocate or recurse. The limits are in :mod:`ckptkit.pickle_limits`."""

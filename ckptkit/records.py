@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .errors import CorruptRecordError, FormatError, MissingFileError
+from .errors import ChecksumError, CorruptRecordError, FormatError, MissingFileError
+from .pickle_limits import RECORD_LIMITS
 from .storage import Storage
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
 
@@ -77,7 +79,7 @@ def end_record(tail: bytes, start: int, source: str) -> tuple[int, int, int]:
             raise CorruptRecordError(f"{source}: zip64 archive without its end-record locator")
         (record,) = struct.unpack_from("<Q", tail, locator + 8)
         record -= start
-        if record < 0 or tail[record : record + 4] != _EOCD64:
+        if record < 0 or record + 56 > len(tail) or tail[record : record + 4] != _EOCD64:
             raise CorruptRecordError(f"{source}: damaged zip64 end-of-central-directory record")
         count, size, offset = struct.unpack_from("<QQQ", tail, record + 32)
     return count, offset, size
@@ -114,12 +116,13 @@ def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int
         tag, size = struct.unpack_from("<HH", extra, pos)
         if tag == 0x0001:
             values = iter(struct.unpack_from(f"<{size // 8}Q", extra, pos + 4))
+            # a field missing from the extra keeps its capped value: caught as a bad size later
             if usize == 0xFFFFFFFF:
-                usize = next(values)
+                usize = next(values, usize)
             if csize == 0xFFFFFFFF:
-                csize = next(values)
+                csize = next(values, csize)
             if offset == 0xFFFFFFFF:
-                offset = next(values)
+                offset = next(values, offset)
             break
         pos += 4 + size
     return usize, csize, offset
@@ -218,6 +221,14 @@ class TorchArchive:
     def member(self, m: Member) -> memoryview:
         return self.buf[m.offset : m.offset + m.size]
 
+    def check_crc(self, names: list[str] | None = None) -> None:
+        """Compare members (all, or ``<prefix><name>`` for each name) with their stored CRC-32."""
+        for name in names if names is not None else list(self.members):
+            full = name if names is None else self.prefix + name
+            m = self.members.get(full)
+            if m is not None:
+                check_crc(self.member(m), m.crc32, f"{self.source} member {full!r}")
+
     def pickle_bytes(self) -> memoryview:
         return self.member(self.members[self.prefix + "data.pkl"])
 
@@ -251,18 +262,39 @@ def undo_transform(buf: bytes, transform: str | None, source: str) -> bytes:
     raise CorruptRecordError(f"{source}: unsupported record transform {transform!r}")
 
 
-def decode_tensor_record(buf: bytes, source: str) -> TensorData:
-    """The tensor a torch.save record holds, layout from its own ``data.pkl``."""
+def check_crc(data: bytes | memoryview, expected: int, source: str) -> None:
+    """Raise :class:`ChecksumError` unless ``data``'s CRC-32 is ``expected``."""
+    actual = zlib.crc32(data)
+    if actual != expected:
+        raise ChecksumError(
+            f"{source}: CRC-32 mismatch: stored {expected:08x}, the bytes give {actual:08x} "
+            "(the file is corrupted)"
+        )
+
+
+def decode_tensor_record(buf: bytes, source: str, *, verify_crc: bool = False) -> TensorData:
+    """The tensor a torch.save record holds, layout from its own ``data.pkl``; with
+    ``verify_crc`` its pickle and storage are checked against the zip's CRC-32 first."""
     archive = TorchArchive(buf, source)
-    ref = safe_loads(archive.pickle_bytes(), allow=TENSOR_GLOBALS, source=source)
+    if verify_crc:
+        archive.check_crc(["data.pkl"])
+    ref = safe_loads(
+        archive.pickle_bytes(), allow=TENSOR_GLOBALS, source=source, limits=RECORD_LIMITS
+    )
     if not isinstance(ref, TensorRef):
         raise CorruptRecordError(f"{source}: record holds {type(ref).__name__}, not a tensor")
+    if verify_crc:
+        archive.check_crc([f"data/{ref.storage.key}"])
     return archive.tensor(ref)
 
 
-def decode_object_record(buf: bytes, source: str) -> tuple[Any, TorchArchive]:
+def decode_object_record(
+    buf: bytes, source: str, *, verify_crc: bool = False
+) -> tuple[Any, TorchArchive]:
     """The value a torch.save record holds, unknown classes as placeholders, tensors as refs."""
     archive = TorchArchive(buf, source)
+    if verify_crc:
+        archive.check_crc()
     value = safe_loads(
         archive.pickle_bytes(), allow=OBJECT_GLOBALS, source=source, unknown="opaque"
     )
@@ -296,7 +328,7 @@ def parse_safetensors_header(raw: bytes, source: str) -> SafetensorsHeader:
     """Parse the JSON header (the bytes after the 8-byte length)."""
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, …
         raise CorruptRecordError(f"{source}: safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise CorruptRecordError(f"{source}: safetensors header is not an object")
@@ -307,6 +339,8 @@ def parse_safetensors_header(raw: bytes, source: str) -> SafetensorsHeader:
             dt = dtypes.from_safetensors(spec["dtype"])
             shape = tuple(int(s) for s in spec["shape"])
             begin, end = (int(v) for v in spec["data_offsets"])
+            if min(shape, default=0) < 0:
+                raise ValueError(f"negative dimension in {list(shape)}")
         except (KeyError, TypeError, ValueError, FormatError) as exc:
             raise CorruptRecordError(f"{source}: bad safetensors entry {name!r}: {exc}") from exc
         tensors[name] = (dt, shape, begin, end)

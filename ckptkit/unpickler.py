@@ -3,7 +3,11 @@
 Each global a pickle names is looked up in an allowlist that maps it to a harmless stand-in
 (a plain class, ``tuple``, a validating function); nothing is ever imported from the name.
 Outside the allowlist a global either raises :class:`UnsafePickleError` (metadata: strict) or
-becomes a visible :class:`Opaque` placeholder (user objects), never called.
+becomes a visible :class:`Opaque` placeholder (user objects), never called. Stand-ins never
+allocate or iterate what a pickle merely announces (``bytearray(10**12)``, ``set(range(…))``,
+``numpy.ndarray(shape)``), and :mod:`ckptkit.pickle_limits` bounds the input before the C
+unpickler runs it and the value after. The one way around all this is
+``Checkpoint.read_object(key, trust=True)``, for objects only, never metadata.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import gc
 import io
 import pathlib
 import pickle
+import reprlib
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Literal
@@ -23,6 +29,19 @@ import numpy as np
 from . import dtypes
 from .dtypes import DType
 from .errors import CheckpointError, CorruptRecordError, UnsafePickleError
+from .pickle_limits import (
+    ATOM,
+    OBJECT_LIMITS,
+    PASS,
+    TUPLE,
+    UNKNOWN,
+    Limits,
+    check_value,
+    nesting_bound,
+    run_with_stack,
+    scan,
+    simulate,
+)
 
 # --------------------------------------------------------------------------------------------
 # Stand-ins for torch.save's tensor encoding (persistent ids + _rebuild_tensor_v2).
@@ -61,13 +80,66 @@ class _StorageType:
     def __init__(self, dt: DType) -> None:
         self.dtype = dt
 
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_build(f"torch storage class {self.dtype.storage}")
+
+
+class _SealedFunction:
+    """An allowlisted function as pickles see it: callable, but BUILD cannot rewrite it (a
+    function's ``__defaults__`` are otherwise settable by a pickle, for every later load)."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_build(self.function.__qualname__)
+
+
+def _refuse_build(what: str) -> UnsafePickleError:
+    return UnsafePickleError(f"the pickle tries to change {what} (BUILD on an allowlisted global)")
+
+
+_SEALED: dict[Callable[..., Any], _SealedFunction] = {}
+
+
+def unsealed(value: Any) -> Any:
+    """The allowlisted function behind a value the unpickler handed out (for identity checks
+    in stand-ins: ``unsealed(func) is _rebuild_wrapper_subclass``)."""
+    return value.function if isinstance(value, _SealedFunction) else value
+
+
+def _sealed(value: Any) -> Any:
+    """``value`` safe to hand to the unpickler: plain functions wrapped, everything else as is
+    (types and stand-in instances refuse BUILD themselves)."""
+    if type(value) is not types.FunctionType:
+        return value
+    sealed = _SEALED.get(value)
+    if sealed is None:
+        sealed = _SEALED[value] = _SealedFunction(value)
+    return sealed
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of non-negative ints (a shape or strides), else a clear error."""
+    if not isinstance(values, tuple | list) or not all(
+        type(v) is int and 0 <= v < 1 << 62 for v in values
+    ):
+        raise CorruptRecordError(f"tensor {what} is not a list of non-negative ints")
+    return tuple(values)
+
 
 def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, *_ignored):
     if not isinstance(storage, StorageRef):
         raise CorruptRecordError(f"tensor rebuilt from {type(storage).__name__}, not a storage")
-    return TensorRef(
-        storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype, bool(requires_grad)
-    )
+    shape, strides = _ints(size, "shape"), _ints(stride, "strides")
+    if len(shape) != len(strides) or type(storage_offset) is not int or storage_offset < 0:
+        raise CorruptRecordError(f"tensor shape {shape} does not match strides {strides}")
+    return TensorRef(storage, storage_offset, shape, strides, storage.dtype, bool(requires_grad))
 
 
 def _rebuild_tensor_v3(
@@ -110,16 +182,31 @@ def _codecs_encode(text, encoding="utf-8", errors="strict"):
 
 
 def _numpy_dtype(spec, align=False, copy=False):
+    if not isinstance(spec, str | bytes):
+        raise UnsafePickleError("numpy dtypes are named by a string", global_name="numpy.dtype")
     dt = np.dtype(spec, align=bool(align))
     if dt.hasobject:
         raise UnsafePickleError("numpy object arrays are not allowed", global_name="numpy.dtype")
     return dt
 
 
+class _NdarrayMarker:
+    """``numpy.ndarray`` as a pickle names it (an argument of ``_reconstruct``), never called:
+    ``ndarray(shape)`` would allocate whatever size the pickle asks for."""
+
+    __slots__ = ()
+
+
+_NDARRAY = _NdarrayMarker()
+
+
 def _numpy_reconstruct(subtype, shape, dtype):
-    if subtype is not np.ndarray:
+    # numpy pickles an empty array here and fills it in BUILD, whose data must match its shape
+    if subtype is not _NDARRAY:
         raise UnsafePickleError("only plain numpy arrays are allowed", global_name="numpy.ndarray")
-    return np.ndarray.__new__(np.ndarray, shape, _numpy_dtype(dtype))
+    if shape not in ((0,), [0]):
+        raise CorruptRecordError(f"numpy array reconstructed with shape {shape!r}, not (0,)")
+    return np.ndarray.__new__(np.ndarray, (0,), _numpy_dtype(dtype))
 
 
 def _numpy_scalar(dt, data=None):
@@ -154,7 +241,49 @@ _NUMPY_GLOBALS = {
     for prefix in ("numpy.core.multiarray", "numpy._core.multiarray")
     for name, fn in (("_reconstruct", _numpy_reconstruct), ("scalar", _numpy_scalar))
 }
-_NUMPY_GLOBALS.update({"numpy.ndarray": np.ndarray, "numpy.dtype": _numpy_dtype})
+_NUMPY_GLOBALS.update({"numpy.ndarray": _NDARRAY, "numpy.dtype": _numpy_dtype})
+
+
+# Stand-ins for builtins that would otherwise consume a lazy ``range`` of any length
+# (``set(range(10**10))``) or allocate what they are told (``bytearray(10**12)``).
+
+
+def _sequence(items: Any, what: str) -> Any:
+    if not isinstance(items, list | tuple | set | frozenset | dict | str | bytes):
+        raise UnsafePickleError(
+            f"{what}() of {type(items).__name__} is not allowed", global_name=f"builtins.{what}"
+        )
+    return items
+
+
+def _set(items=()):
+    return set(_sequence(items, "set"))
+
+
+def _frozenset(items=()):
+    return frozenset(_sequence(items, "frozenset"))
+
+
+def _size(items=()):
+    """``torch.Size``: a tuple of ints."""
+    return _ints(_sequence(items, "tuple"), "size")
+
+
+def _bytearray(source=b"", encoding=None, errors=None):
+    if isinstance(source, bytes) and encoding is None:
+        return bytearray(source)
+    if isinstance(source, str) and encoding in ("latin1", "latin-1", "utf-8", "utf8"):
+        return bytearray(source, encoding, errors or "strict")
+    raise UnsafePickleError(
+        "bytearray() from unexpected arguments", global_name="builtins.bytearray"
+    )
+
+
+def _slice(*args):
+    if len(args) > 3 or not all(a is None or type(a) is int for a in args):
+        raise UnsafePickleError("slice() of non-ints", global_name="builtins.slice")
+    return slice(*args)
+
 
 # --------------------------------------------------------------------------------------------
 # Allowlists. Keys are "module.qualname" as the pickle spells them; values are the stand-ins.
@@ -170,6 +299,7 @@ COMMON_GLOBALS: dict[str, Any] = {
 #: A tensor record's ``data.pkl``: one tensor rebuilt from one storage.
 TENSOR_GLOBALS: dict[str, Any] = {
     **COMMON_GLOBALS,
+    "torch.Size": _size,
     "collections.OrderedDict": collections.OrderedDict,
     "torch._utils._rebuild_tensor": _rebuild_tensor_v1,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
@@ -183,12 +313,12 @@ TENSOR_GLOBALS: dict[str, Any] = {
 #: Non-tensor objects users saved: primitives, containers, numpy values, tensors inside them.
 OBJECT_GLOBALS: dict[str, Any] = {
     **TENSOR_GLOBALS,
-    "builtins.set": set,
-    "builtins.frozenset": frozenset,
+    "builtins.set": _set,
+    "builtins.frozenset": _frozenset,
     "builtins.complex": complex,
-    "builtins.slice": slice,
+    "builtins.slice": _slice,
     "builtins.range": range,
-    "builtins.bytearray": bytearray,
+    "builtins.bytearray": _bytearray,
     "collections.defaultdict": collections.defaultdict,
     "_codecs.encode": _codecs_encode,
     **_NUMPY_GLOBALS,
@@ -249,7 +379,7 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         full = f"{_PY2_MODULES.get(module, module)}.{name}"
         try:
-            return self._allow[full]
+            return _sealed(self._allow[full])
         except KeyError:
             pass
         if self._unknown == "opaque":
@@ -269,8 +399,9 @@ class _Unpickler(pickle.Unpickler):
             and "torch._utils._rebuild_tensor_v2" in self._allow
         ):
             _, storage_type, key, location, numel = pid
-            return StorageRef(str(key), storage_type.dtype, int(numel), str(location))
-        raise UnsafePickleError(f"{self._source}: unexpected persistent id {pid!r}")
+            if isinstance(key, str | int) and type(numel) is int and isinstance(location, str):
+                return StorageRef(str(key), storage_type.dtype, numel, location)
+        raise UnsafePickleError(f"{self._source}: unexpected persistent id {reprlib.repr(pid)}")
 
 
 @contextlib.contextmanager
@@ -286,21 +417,96 @@ def paused_gc() -> Iterator[None]:
 
 
 def safe_loads(
-    data: bytes | BinaryIO,
+    data: bytes | memoryview | BinaryIO,
     *,
     allow: Mapping[str, Any],
     source: str,
     unknown: Literal["raise", "opaque"] = "raise",
+    limits: Limits = OBJECT_LIMITS,
 ) -> Any:
     """Unpickle ``data`` (bytes or a binary file) resolving globals only through ``allow``.
 
     ``source`` names the input in errors; ``unknown="opaque"`` keeps refused globals as
-    :class:`Opaque` placeholders instead of raising :class:`UnsafePickleError`.
+    :class:`Opaque` placeholders instead of raising :class:`UnsafePickleError`. ``limits``
+    (:data:`~ckptkit.pickle_limits.METADATA_LIMITS`, ``RECORD_LIMITS``, ``OBJECT_LIMITS``)
+    caps input size, memo, container sizes and nesting; a pickle beyond them raises
+    :class:`~ckptkit.errors.LimitExceededError` before it allocates or recurses (see
+    :mod:`ckptkit.pickle_limits`).
     """
+    if hasattr(data, "read"):
+        data = _read_bounded(data, limits.max_bytes + 1)
+    data = bytes(data)
     try:
         with paused_gc():
-            return _Unpickler(data, allow, unknown, source).load()
+            levels = nesting_bound(data)
+            if levels > 20 and (len(data) <= limits.simulate_bytes or levels <= 4096):
+                simulate(data, limits, source, _classifier(allow))
+                levels = limits.max_tuple_depth  # the simulation bounded it exactly
+            else:  # at most 2**20 steps to hash any tuple; larger inputs get a big stack
+                scan(data, limits, source)
+            value = run_with_stack(levels, _Unpickler(data, allow, unknown, source).load)
+            if limits.check_value:
+                check_value(value, limits, source)
+            return value
+    except UnsafePickleError as exc:  # stand-ins refuse without knowing the source: name it
+        if source in str(exc):
+            raise
+        raise type(exc)(f"{source}: {exc}", global_name=exc.global_name) from None
     except CheckpointError:
         raise
     except Exception as exc:  # malformed input raises all sorts of things
-        raise CorruptRecordError(f"{source}: cannot unpickle: {type(exc).__name__}: {exc}") from exc
+        raise CorruptRecordError(
+            f"{source}: cannot unpickle: {type(exc).__name__}: {reprlib.repr(str(exc))}"
+        ) from exc
+
+
+def _read_bounded(stream: BinaryIO, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``stream``, in pieces (``read(limit)`` would allocate the
+    whole limit up front)."""
+    pieces, total = [], 0
+    while total < limit:
+        piece = stream.read(min(16 << 20, limit - total))
+        if not piece:
+            break
+        pieces.append(piece)
+        total += len(piece)
+    return b"".join(pieces)
+
+
+_ATOM_RESULTS = {
+    _rebuild_tensor,
+    _rebuild_tensor_v1,
+    _rebuild_tensor_v3,
+    _torch_layout,
+    _codecs_encode,
+    _numpy_dtype,
+    _numpy_reconstruct,
+    _numpy_scalar,
+    _posix_path,
+    _windows_path,
+    _set,
+    _frozenset,
+    _bytearray,
+    _slice,
+}
+
+
+def _classifier(allow: Mapping[str, Any]):
+    """How each allowed global behaves when a pickle calls it, for :func:`simulate`."""
+
+    def classify(module: str, name: str) -> str:
+        value = allow.get(f"{_PY2_MODULES.get(module, module)}.{name}")
+        if value is None:  # refused, or an Opaque placeholder: never a tuple
+            return ATOM
+        if isinstance(value, type):
+            return TUPLE if issubclass(value, tuple) else ATOM
+        if value is _size:
+            return TUPLE
+        if value is _rebuild_parameter:
+            return PASS
+        try:
+            return ATOM if value in _ATOM_RESULTS else UNKNOWN
+        except TypeError:  # unhashable stand-in
+            return UNKNOWN
+
+    return classify

@@ -1,0 +1,580 @@
+"""Resource limits for untrusted pickles, checked before and after the C unpickler runs them.
+
+The C unpickler never runs code through ckptkit's allowlist, but it trusts sizes: a 9-byte
+pickle with ``LONG_BINPUT 500000000`` makes it allocate and zero an 8 GB memo, ``BINBYTES8``
+allocates the announced length before reading it, and hashing a tuple nested 150 000 deep
+(a 150 KB pickle of ``TUPLE1`` opcodes used as a dict key) overflows the C stack, while tuples
+that share their halves 40 levels deep take 2**40 steps to hash. So every pickle is first
+*scanned* (opcodes walked without building anything; a regular expression skips the harmless
+ones at C speed): memo indices, announced lengths, frames and opcodes are checked. Small pickles
+are also *simulated* (stack effects only) to bound tuple nesting exactly; larger ones are loaded
+on a thread whose stack fits the deepest nesting their tuple opcodes could build. The loaded
+value is then *walked* once (iteratively) to bound nesting depth, container sizes and sharing
+before any recursive code (``repr``, flattening, ``nest``) touches it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptRecordError, LimitExceededError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps for one kind of pickle. Exceeding one raises :class:`LimitExceededError`."""
+
+    #: Input bytes.
+    max_bytes: int
+    #: Highest memo index a PUT may name (also never above its position in the input).
+    max_memo: int = 1 << 26
+    #: Nesting of tuples inside tuples (hashing recurses through them without a guard).
+    max_tuple_depth: int = 24
+    #: Nesting of containers in the loaded value (walking it recurses).
+    max_depth: int = 100
+    #: Elements in any one container, and nodes of the value counted as a tree (sharing).
+    max_items: int = 1 << 26
+    #: Bytes of one integer (LONG1/LONG4); ``repr`` refuses ints above 4300 digits anyway.
+    max_int_bytes: int = 1024
+    #: Pickles up to this size (or with at most 4096 nesting opcodes) have their tuple nesting
+    #: computed exactly before loading. Larger ones load on a thread with a stack deep enough
+    #: for any nesting they could build: they cannot crash, but tuples sharing their halves
+    #: could still take long to hash (DCP metadata of more than ~3500 chunks is in this case).
+    simulate_bytes: int = 512 << 10
+    #: Walk the loaded value (False for DCP metadata: its adapter type-checks what it keeps).
+    check_value: bool = True
+
+
+#: DCP ``.metadata``: large (70 MB at 512k chunks), read by the DCP adapter, which validates.
+METADATA_LIMITS = Limits(max_bytes=2 << 30, check_value=False)
+#: A tensor record's ``data.pkl``: a few hundred bytes describing one tensor.
+RECORD_LIMITS = Limits(max_bytes=1 << 20)
+#: User objects and whole torch.save pickles (trainer state, optimizer param groups, …).
+OBJECT_LIMITS = Limits(max_bytes=1 << 30)
+
+# --------------------------------------------------------------------------------------------
+# Opcodes.
+
+_STOP, _FRAME, _LONG_BINPUT, _PUT = 0x2E, 0x95, 0x72, 0x70
+#: Opcodes without argument whose only effect is on the unpickler's stack.
+_NO_ARG = b"(0125N\x88\x89]aelt\x85\x86\x87)}dsu\x8f\x90\x91Rb\x81\x92o\x93\x94Q"
+#: Total length (opcode + argument) of opcodes with a fixed-size argument.
+_FIXED = {op: 1 for op in _NO_ARG} | {
+    ord("K"): 2,  # BININT1
+    ord("h"): 2,  # BINGET
+    ord("q"): 2,  # BINPUT (index < 256)
+    0x80: 2,  # PROTO
+    ord("M"): 3,  # BININT2
+    ord("J"): 5,  # BININT
+    ord("j"): 5,  # LONG_BINGET
+    ord("G"): 9,  # BINFLOAT
+    _LONG_BINPUT: 5,
+}
+#: Counted opcodes: (bytes of the length, signed, is an integer).
+_COUNTED = {
+    ord("U"): (1, False, False),  # SHORT_BINSTRING
+    ord("C"): (1, False, False),  # SHORT_BINBYTES
+    0x8C: (1, False, False),  # SHORT_BINUNICODE
+    0x8A: (1, False, True),  # LONG1
+    ord("T"): (4, True, False),  # BINSTRING
+    ord("B"): (4, False, False),  # BINBYTES
+    ord("X"): (4, False, False),  # BINUNICODE
+    0x8B: (4, True, True),  # LONG4
+    0x8D: (8, False, False),  # BINUNICODE8
+    0x8E: (8, False, False),  # BINBYTES8
+    0x96: (8, False, False),  # BYTEARRAY8
+}
+#: Protocol-0 opcodes whose argument is one line (INST and GLOBAL take two).
+_LINES = {op: 1 for op in b"ILFSVPpg"} | {ord("c"): 2, ord("i"): 2}
+_MAX_LINE = 1 << 16
+_REFUSED = {
+    0x82: "EXT1",
+    0x83: "EXT2",
+    0x84: "EXT4",
+    0x97: "NEXT_BUFFER",
+    0x98: "READONLY_BUFFER",
+}
+#: Opcodes that can put a tuple inside a tuple: TUPLE*, and calls (``tuple(x)``, stand-ins).
+NESTING_OPCODES = b"t\x85\x86\x87R\x81\x92oi"
+
+
+def _fast_pattern() -> re.Pattern[bytes]:
+    no_arg = b"[" + b"".join(re.escape(bytes([op])) for op in _NO_ARG) + b"]"
+    # LONG_BINPUT below 65536 needs at most a 1 MB memo: harmless at any position.
+    with_arg = b"(?:j....|h.|K.|M..|J....|q.|\x80.|G.{8}|r..\x00\x00)"
+    return re.compile(b"(?:" + no_arg + b"*+" + with_arg + b")*+" + no_arg + b"*+", re.DOTALL)
+
+
+_SKIP = _fast_pattern().match
+
+
+def nesting_bound(data: bytes | memoryview) -> int:
+    """How deep tuples built by ``data`` could nest at most: its count of nesting opcode bytes
+    (opcodes or not), found at ``bytes.count`` speed."""
+    raw = bytes(data) if isinstance(data, memoryview) else data
+    return sum(raw.count(bytes([op])) for op in NESTING_OPCODES)
+
+
+def _refuse(source: str, what: str) -> LimitExceededError:
+    return LimitExceededError(f"{source}: pickle refused, over a limit: {what}")
+
+
+class _Parser:
+    """Steps over one opcode at a time, checking what the C unpickler would trust."""
+
+    def __init__(self, data: bytes | memoryview, limits: Limits, source: str) -> None:
+        self.data, self.limits, self.source = data, limits, source
+        self.n = len(data)
+        self.frame_end = -1  # absolute end of the current protocol-4 frame, -1 outside one
+
+    def end(self) -> int:
+        return self.frame_end if self.frame_end >= 0 else self.n
+
+    def need(self, pos: int, size: int, op: int) -> None:
+        """Bytes ``[pos, pos + size)`` must exist, inside the current frame if in one."""
+        if pos + size > self.end():
+            if self.frame_end >= 0 and self.frame_end <= self.n:
+                raise CorruptRecordError(
+                    f"{self.source}: opcode 0x{op:02x} at {pos} straddles the end of a frame"
+                )
+            raise CorruptRecordError(f"{self.source}: pickle data is truncated (at {pos})")
+
+    def step(self, pos: int) -> tuple[int, int, Any]:
+        """``(opcode, next position, argument)`` of the opcode at ``pos``; the argument is the
+        memo index of PUTs, the text lines of line opcodes, the payload length of counted ones."""
+        data, limits = self.data, self.limits
+        if self.frame_end >= 0 and pos == self.frame_end:
+            self.frame_end = -1
+        op = data[pos]
+        size = _FIXED.get(op)
+        arg: Any = None
+        if size is not None:
+            self.need(pos, size, op)
+            if op == _LONG_BINPUT:
+                arg = int.from_bytes(data[pos + 1 : pos + 5], "little")
+                self.check_memo(arg, pos)
+            return op, pos + size, arg
+        counted = _COUNTED.get(op)
+        if counted is not None:
+            width, signed, is_int = counted
+            self.need(pos, 1 + width, op)
+            length = int.from_bytes(data[pos + 1 : pos + 1 + width], "little", signed=signed)
+            if length < 0:
+                raise CorruptRecordError(f"{self.source}: negative length at {pos}")
+            if is_int and length > limits.max_int_bytes:
+                raise _refuse(self.source, f"an integer of {length} bytes at {pos}")
+            self.need(pos, 1 + width + length, op)
+            return op, pos + 1 + width + length, length
+        if op == _FRAME:
+            self.need(pos, 9, op)
+            if self.frame_end >= 0:
+                raise CorruptRecordError(f"{self.source}: frame inside a frame at {pos}")
+            length = int.from_bytes(data[pos + 1 : pos + 9], "little")
+            if pos + 9 + length > self.n:
+                raise CorruptRecordError(f"{self.source}: pickle data is truncated (frame)")
+            self.frame_end = pos + 9 + length
+            return op, pos + 9, None
+        lines = _LINES.get(op)
+        if lines is not None:
+            found, at = [], pos + 1
+            for _ in range(lines):
+                newline = bytes(data[at : min(at + _MAX_LINE, self.end())]).find(b"\n")
+                if newline < 0:
+                    raise CorruptRecordError(f"{self.source}: unterminated line at {at}")
+                found.append(bytes(data[at : at + newline]))
+                at += newline + 1
+            if op == _PUT:
+                try:
+                    index = int(found[0])
+                except ValueError as exc:
+                    raise CorruptRecordError(f"{self.source}: bad PUT at {pos}") from exc
+                self.check_memo(index, pos)
+            return op, at, found
+        if op == _STOP:
+            return op, pos + 1, None
+        if op in _REFUSED:
+            raise _refuse(self.source, f"opcode {_REFUSED[op]} at {pos}")
+        raise CorruptRecordError(f"{self.source}: invalid pickle opcode 0x{op:02x} at {pos}")
+
+    def check_memo(self, index: int, pos: int) -> None:
+        # A pickler numbers memo entries 0, 1, 2…, one per PUT: never above the position.
+        if index < 0 or index > min(self.limits.max_memo, pos):
+            raise _refuse(self.source, f"memo index {index} at byte {pos}")
+
+
+def scan(data: bytes | memoryview, limits: Limits, source: str) -> None:
+    """Check every opcode of ``data`` up to STOP without building anything (see module doc)."""
+    if len(data) > limits.max_bytes:
+        raise _refuse(source, f"{len(data)} bytes (limit {limits.max_bytes})")
+    parser = _Parser(data, limits, source)
+    pos = 0
+    while True:
+        pos = _SKIP(data, pos, parser.end()).end()
+        if pos >= parser.n:
+            raise CorruptRecordError(f"{source}: pickle data is truncated (no STOP)")
+        op, pos, _ = parser.step(pos)
+        if op == _STOP:
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# Simulation: the unpickler's stack with each object reduced to how deep its tuples nest.
+
+#: How a global behaves when called (REDUCE, NEWOBJ…), for tuple nesting.
+ATOM, TUPLE, PASS, UNKNOWN = "atom", "tuple", "pass", "unknown"
+
+
+class _Cell:
+    """One simulated object: tuple nesting ``t`` (0 for non-tuples), its elements' cells
+    (containers; None for atoms), the call kind of a global, the text of a short string."""
+
+    __slots__ = ("t", "items", "kind", "value")
+
+    def __init__(self, t: int = 0, items: list | tuple | None = None) -> None:
+        self.t, self.items, self.kind, self.value = t, items, None, None
+
+
+_ATOM_CELL = _Cell()
+
+
+class _Simulation:
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        limits: Limits,
+        source: str,
+        classify: Callable[[str, str], str],
+    ) -> None:
+        self.parser = _Parser(data, limits, source)
+        self.limits, self.source, self.classify = limits, source, classify
+        self.stack: list[_Cell] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, _Cell] = {}
+        self.budget = 8 * len(data) + 4096  # element copies the simulation may make
+
+    def fail(self, what: str) -> CorruptRecordError:
+        return CorruptRecordError(f"{self.source}: malformed pickle: {what}")
+
+    def pop(self, n: int = 1) -> list[_Cell]:
+        fence = self.marks[-1] if self.marks else 0
+        if len(self.stack) - n < fence:
+            raise self.fail("stack underflow")
+        items = self.stack[len(self.stack) - n :]
+        del self.stack[len(self.stack) - n :]
+        return items
+
+    def pop_mark(self) -> list[_Cell]:
+        if not self.marks:
+            raise self.fail("no MARK")
+        start = self.marks.pop()
+        items = self.stack[start:]
+        del self.stack[start:]
+        return items
+
+    def top(self) -> _Cell:
+        fence = self.marks[-1] if self.marks else 0
+        if len(self.stack) <= fence:
+            raise self.fail("stack underflow")
+        return self.stack[-1]
+
+    def tuple_cell(self, items: list[_Cell]) -> _Cell:
+        t = 1 + max((c.t for c in items), default=0)
+        if t > self.limits.max_tuple_depth:
+            raise _refuse(
+                self.source, f"tuples nested more than {self.limits.max_tuple_depth} deep"
+            )
+        self.spend(len(items))
+        return _Cell(t, tuple(items))
+
+    def spend(self, n: int) -> None:
+        self.budget -= n
+        if self.budget < 0 or n > self.limits.max_items:
+            raise _refuse(self.source, "containers larger than the input can describe")
+
+    def add(self, target: _Cell, items: list[_Cell]) -> None:
+        if isinstance(target.items, list):
+            self.spend(len(items))
+            target.items.extend(items)
+            if len(target.items) > self.limits.max_items:
+                raise _refuse(self.source, f"a container of over {self.limits.max_items} items")
+
+    def call(self, func: _Cell, args: list[_Cell]) -> _Cell:
+        kind = func.kind or UNKNOWN
+        if kind == ATOM:
+            return _Cell(0, [])
+        if kind == PASS and args:
+            return args[0]
+        # tuple(x) holds x's elements; an unknown stand-in may return an argument or a tuple of
+        # an argument's elements: bound both.
+        inner = args if kind == UNKNOWN else args[:1]
+        elements: list[_Cell] = []
+        for arg in inner:
+            if arg.items is not None:
+                elements.extend(arg.items)
+        if kind == UNKNOWN:
+            elements.extend(args)
+        self.spend(len(elements))
+        return self.tuple_cell(elements)
+
+    def run(self) -> None:
+        data, parser, stack = self.parser.data, self.parser, self.stack
+        pos = 0
+        while True:
+            if pos >= parser.n:
+                raise CorruptRecordError(f"{self.source}: pickle data is truncated (no STOP)")
+            op, pos, arg = parser.step(pos)
+            c = chr(op)
+            if op == _STOP:
+                return
+            if c in "KMJGILF" or op in (0x88, 0x89) or c == "N":
+                stack.append(_ATOM_CELL)
+            elif op in _COUNTED:
+                cell = _Cell()
+                if op in (0x8C, ord("X")) and arg <= 256:
+                    cell.value = bytes(data[pos - arg : pos]).decode("utf-8", "replace")
+                stack.append(cell)
+            elif c in "SVP":
+                stack.append(_ATOM_CELL)
+            elif c == "Q":  # BINPERSID
+                self.pop()
+                stack.append(_ATOM_CELL)
+            elif c in "qrp" or op == 0x94:  # BINPUT, LONG_BINPUT, PUT, MEMOIZE
+                index = (
+                    len(self.memo)
+                    if op == 0x94
+                    else data[pos - 1]
+                    if c == "q"
+                    else arg
+                    if c == "r"
+                    else int(arg[0])
+                )
+                self.memo[index] = self.top()
+            elif c in "hjg":
+                index = data[pos - 1] if c == "h" else int(arg[0]) if c == "g" else None
+                if c == "j":
+                    index = int.from_bytes(data[pos - 4 : pos], "little")
+                if index not in self.memo:
+                    raise self.fail(f"memo index {index} was never set")
+                stack.append(self.memo[index])
+            elif c == "2":
+                stack.append(self.top())
+            elif c == "0":
+                fence = self.marks[-1] if self.marks else 0
+                if len(stack) > fence:
+                    stack.pop()
+                elif self.marks:
+                    self.marks.pop()
+                else:
+                    raise self.fail("stack underflow")
+            elif c == "1":
+                self.pop_mark()
+            elif c == "(":
+                self.marks.append(len(stack))
+            elif c in "]}" or op == 0x8F:
+                stack.append(_Cell(0, []))
+            elif c == ")":
+                stack.append(_Cell(1, ()))
+            elif c == "a":
+                (item,) = self.pop()
+                self.add(self.top(), [item])
+            elif c == "s":
+                items = self.pop(2)
+                self.add(self.top(), items)
+            elif c in "eu" or op == 0x90:  # APPENDS, SETITEMS, ADDITEMS
+                items = self.pop_mark()
+                self.add(self.top(), items)
+            elif c in "ld" or op == 0x91:  # LIST, DICT, FROZENSET (hashes cached per element)
+                items = self.pop_mark()
+                self.spend(len(items))
+                stack.append(_Cell(0, items))
+            elif c == "t":
+                stack.append(self.tuple_cell(self.pop_mark()))
+            elif op in (0x85, 0x86, 0x87):
+                stack.append(self.tuple_cell(self.pop(op - 0x84)))
+            elif c == "R" or op == 0x81:  # REDUCE, NEWOBJ
+                func, args = self.pop(2)
+                stack.append(self.call(func, list(args.items or ())))
+            elif op == 0x92:  # NEWOBJ_EX
+                cls, args, kwargs = self.pop(3)
+                stack.append(self.call(cls, [*(args.items or ()), *(kwargs.items or ())]))
+            elif c == "o":
+                items = self.pop_mark()
+                if not items:
+                    raise self.fail("OBJ without a class")
+                stack.append(self.call(items[0], items[1:]))
+            elif c == "i":
+                items = self.pop_mark()
+                func = _Cell()
+                func.kind = self.classify(arg[0].decode("latin-1"), arg[1].decode("latin-1"))
+                stack.append(self.call(func, items))
+            elif c == "c" or op == 0x93:  # GLOBAL, STACK_GLOBAL
+                if c == "c":
+                    module, name = (line.decode("latin-1") for line in arg)
+                else:
+                    module_cell, name_cell = self.pop(2)
+                    module, name = module_cell.value, name_cell.value
+                func = _Cell()
+                func.kind = (
+                    self.classify(module, name)
+                    if isinstance(module, str) and isinstance(name, str)
+                    else UNKNOWN
+                )
+                stack.append(func)
+            elif c == "b":  # BUILD: state goes into an object, not into a tuple
+                self.pop()
+                self.top()
+            # PROTO, FRAME: nothing to simulate
+
+
+def simulate(
+    data: bytes | memoryview, limits: Limits, source: str, classify: Callable[[str, str], str]
+) -> None:
+    """:func:`scan` plus the stack effect of every opcode, refusing tuples nested deeper than
+    ``limits.max_tuple_depth`` and containers larger than the input could describe.
+    ``classify(module, name)`` says how a global behaves when called (ATOM, TUPLE, PASS…)."""
+    if len(data) > limits.max_bytes:
+        raise _refuse(source, f"{len(data)} bytes (limit {limits.max_bytes})")
+    _Simulation(data, limits, source, classify).run()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading on a thread with a stack sized for the input.
+
+#: C stack one level of tuple hashing takes (measured ~64 bytes on CPython 3.11 x86-64) × 2.
+_STACK_PER_LEVEL = 128
+_BASE_STACK = 16 << 20
+_MAX_STACK = 4 << 30
+_stack_lock = threading.Lock()
+
+
+def run_with_stack(levels: int, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread whose C stack holds ``levels`` nested tuple hashes (the caller's
+    thread when few enough). A pickle too large for that is refused."""
+    if levels <= 1000:
+        return fn()
+    size = _BASE_STACK + levels * _STACK_PER_LEVEL
+    if size > _MAX_STACK:
+        raise LimitExceededError(
+            f"pickle has {levels} nesting opcodes: too many to load with a bounded stack"
+        )
+    outcome: list[Any] = [None, None]
+
+    def target() -> None:
+        try:
+            outcome[0] = fn()
+        except BaseException as exc:  # handed back to the calling thread
+            outcome[1] = exc
+
+    with _stack_lock:
+        previous = threading.stack_size(size)
+        try:
+            thread = threading.Thread(target=target, name="ckptkit-unpickle", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The loaded value.
+
+_ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, np.generic)
+
+
+def check_value(
+    value: Any, limits: Limits, source: str, children: Callable[[Any], Any] | None = None
+) -> None:
+    """Walk ``value`` once, without recursion, refusing cycles, nesting deeper than
+    ``limits.max_depth``, containers or tree sizes beyond ``limits.max_items``, huge ints and
+    numpy object arrays. ``children(obj)`` lists what else to descend into (placeholders)."""
+    heights: dict[int, int] = {}  # id → height, for finished nodes
+    tuple_heights: dict[int, int] = {}  # id → tuples nested in tuples (hashing recurses)
+    sizes: dict[int, int] = {}  # id → nodes of the subtree counted as a tree
+    on_path: set[int] = set()
+    keep: list[Any] = []  # ids stay valid while their objects live
+    stack: list[tuple[Any, list[Any] | None]] = [(value, None)]
+    while stack:
+        obj, kids = stack[-1]
+        key = id(obj)
+        if kids is None:
+            if key in heights:
+                stack.pop()
+                continue
+            kids = _children(obj, limits, source, children)
+            if kids:
+                if key in on_path:
+                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
+                on_path.add(key)
+                if len(on_path) > limits.max_depth:
+                    raise _refuse(source, f"values nested more than {limits.max_depth} deep")
+            stack[-1] = (obj, kids)
+            pending = [k for k in kids if id(k) not in heights]
+            for kid in pending:
+                if id(kid) in on_path:
+                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
+                stack.append((kid, None))
+            if pending:
+                continue
+        stack.pop()
+        on_path.discard(key)
+        heights[key] = 1 + max((heights[id(k)] for k in kids), default=-1) if kids else 0
+        if isinstance(obj, tuple):
+            tuple_heights[key] = 1 + max((tuple_heights.get(id(k), 0) for k in kids), default=0)
+            if tuple_heights[key] > limits.max_tuple_depth:
+                raise _refuse(source, f"tuples nested more than {limits.max_tuple_depth} deep")
+        size = 1 + sum(sizes[id(k)] for k in kids) if kids else 1
+        if size > limits.max_items:
+            raise _refuse(source, f"a value of over {limits.max_items} nodes (shared parts)")
+        sizes[key] = size
+        keep.append(obj)
+    # Shared parts are walked once here but once per reference by recursive code (repr, DCP
+    # flattening, ``_materialize``): a DAG of lists sharing halves is exponential for them.
+    tree = sizes.get(id(value), 1)
+    if tree > 16 * len(sizes) + (1 << 20):
+        raise _refuse(
+            source, f"{len(sizes)} objects shared so often that they unfold into {tree} nodes"
+        )
+
+
+def _children(
+    obj: Any, limits: Limits, source: str, children: Callable[[Any], Any] | None
+) -> list[Any]:
+    if isinstance(obj, bool) or obj is None:
+        return []
+    if isinstance(obj, int):
+        if obj.bit_length() > 8 * limits.max_int_bytes:
+            raise _refuse(source, f"an integer of {obj.bit_length()} bits")
+        return []
+    if isinstance(obj, (*_ATOMS, type)) or callable(obj):
+        return []
+    if isinstance(obj, np.ndarray | np.dtype):
+        dt = obj.dtype if isinstance(obj, np.ndarray) else obj
+        if dt.hasobject:
+            raise LimitExceededError(f"{source}: numpy object arrays are not allowed")
+        return []
+    if isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+    elif isinstance(obj, list | tuple | set | frozenset):
+        items = list(obj)
+    elif isinstance(obj, slice):
+        items = [obj.start, obj.stop, obj.step]
+    else:
+        extra = children(obj) if children is not None else None
+        if extra is not None:
+            items = list(extra)
+        elif hasattr(obj, "__dict__"):
+            items = list(vars(obj).values())
+        else:
+            items = [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())]
+    if len(items) > limits.max_items:
+        raise _refuse(source, f"a container of {len(items)} items")
+    return items

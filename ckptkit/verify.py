@@ -1,0 +1,190 @@
+"""Damage detection: read a whole checkpoint and list what is wrong with it, file by key.
+
+:func:`verify` checks that every file exists with the size its records need, that every record
+parses and agrees with the metadata (dtype, shape, size), the CRC-32 of every record that
+carries one (torch.save zip members: DCP records, ``*.pt`` storages), and that every tensor's
+chunks cover it exactly once. Problems come back as a DataFrame instead of an exception, so one
+pass reports them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .catalog import Chunk, Encoding, Entry, Record
+from .errors import (
+    CheckpointError,
+    ChecksumError,
+    CorruptRecordError,
+    CoverageError,
+    FormatError,
+    LimitExceededError,
+    MismatchError,
+    MissingFileError,
+    TruncatedFileError,
+    UnsafePickleError,
+)
+from .reading import BATCH_BYTES, Reader, check_coverage, strided_view
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .checkpoint import Checkpoint
+
+COLUMNS = ["file", "key", "problem", "detail"]
+
+#: The ``problem`` column: the most specific error class wins.
+PROBLEMS: list[tuple[type[CheckpointError], str]] = [
+    (TruncatedFileError, "truncated"),
+    (ChecksumError, "checksum"),
+    (MismatchError, "mismatch"),
+    (CoverageError, "coverage"),
+    (MissingFileError, "missing file"),
+    (LimitExceededError, "pickle limit"),
+    (UnsafePickleError, "unsafe pickle"),
+    (CorruptRecordError, "corrupt record"),
+    (FormatError, "format"),
+    (CheckpointError, "error"),
+]
+
+
+def problem_kind(exc: BaseException) -> str:
+    """The ``problem`` label of an error (``"checksum"`` for a :class:`ChecksumError`…)."""
+    return next((label for cls, label in PROBLEMS if isinstance(exc, cls)), "error")
+
+
+@dataclass
+class Problem:
+    file: str | None
+    key: str | None
+    problem: str
+    detail: str
+
+
+def verify(
+    url: str, *, storage_options: dict[str, Any] | None = None, crc: bool = True
+) -> pd.DataFrame:
+    """Problems of the checkpoint at ``url`` (see :meth:`ckptkit.Checkpoint.verify`); a
+    checkpoint that cannot even be opened (missing ``.metadata``, a rank file missing from a
+    set) is one problem row rather than an exception."""
+    from .checkpoint import open as open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(url, storage_options=storage_options, verify_crc=crc)
+    except CheckpointError as exc:
+        return _frame([Problem(None, None, problem_kind(exc), str(exc))])
+    return verify_checkpoint(ckpt, crc=crc)
+
+
+def verify_checkpoint(ckpt: Checkpoint, *, crc: bool = True) -> pd.DataFrame:
+    """Problems of an open checkpoint: one row per damaged file, record or tensor."""
+    return _frame(list(_problems(ckpt, crc)))
+
+
+def _frame(problems: list[Problem]) -> pd.DataFrame:
+    import pandas as pd
+
+    return pd.DataFrame([vars(p) for p in problems], columns=COLUMNS)
+
+
+def _problems(ckpt: Checkpoint, crc: bool) -> Iterator[Problem]:
+    catalog, storage = ckpt.catalog, ckpt.storage
+    reader = Reader(storage, catalog.object_globals, verify_crc=crc)
+    records = [
+        (entry, chunk)
+        for entry in catalog.entries.values()
+        for chunk in entry.chunks
+        if chunk.record is not None
+    ]
+    files = list(dict.fromkeys([*catalog.files, *(c.record.file for _, c in records)]))
+    sizes = storage.sizes(files)
+    for file in files:
+        if sizes.get(file) is None:
+            keys = sorted({e.key for e, c in records if c.record.file == file})
+            shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            yield Problem(file, None, "missing file", f"no such file; it holds {shown or '-'}")
+
+    unreadable: set[int] = set()  # id() of records not worth reading
+    for entry, chunk in records:
+        record, size = chunk.record, sizes.get(chunk.record.file)
+        if size is None:
+            unreadable.add(id(record))
+        elif record.offset + record.length > size:
+            unreadable.add(id(record))
+            yield Problem(
+                record.file,
+                entry.key,
+                "truncated",
+                f"the record needs bytes [{record.offset}, {record.offset + record.length}), "
+                f"the file has {size} bytes",
+            )
+
+    for entry in catalog.tensors():
+        distinct = list({(c.flat, c.offsets, c.sizes): c for c in entry.chunks}.values())
+        try:
+            check_coverage(entry, distinct)
+        except CoverageError as exc:
+            yield Problem(None, entry.key, "coverage", str(exc))
+        readable = [c for c in distinct if c.record is not None and id(c.record) not in unreadable]
+        yield from _check_tensor(reader, entry, readable)
+
+    shared: dict[tuple, list[Entry]] = {}  # leaves of one pickle are checked together
+    for entry in catalog.objects():
+        record = entry.chunks[0].record if entry.chunks else None
+        if record is None or id(record) in unreadable:
+            continue
+        shared.setdefault((record.file, record.offset, record.length), []).append(entry)
+    for (file, _, _), entries in shared.items():
+        pickled = entries[0].chunks[0].record.encoding in (
+            Encoding.PICKLE_LEAF,
+            Encoding.PICKLE_BYTES,
+        )
+        groups = [entries[:1]] if pickled else [[e] for e in entries]
+        for group in groups:
+            try:
+                reader.read_objects(group, tensors="ref")
+            except CheckpointError as exc:
+                key = group[0].key if len(entries) == 1 or not pickled else None
+                yield Problem(file, key, problem_kind(exc), str(exc))
+
+
+def _check_tensor(reader: Reader, entry: Entry, chunks: list[Chunk]) -> Iterator[Problem]:
+    """Read every chunk of ``entry`` in bounded batches; a failing batch is re-read chunk by
+    chunk to name the record at fault."""
+    batch: list[Chunk] = []
+    size = 0
+    for chunk in [*chunks, None]:
+        if chunk is not None and (not batch or size + chunk.record.length <= BATCH_BYTES):
+            batch.append(chunk)
+            size += chunk.record.length
+            continue
+        if batch:
+            try:
+                _read_chunks(reader, entry, batch)
+            except CheckpointError as exc:
+                if len(batch) == 1:
+                    yield _problem(batch[0].record, entry, exc)
+                else:
+                    for one in batch:
+                        try:
+                            _read_chunks(reader, entry, [one])
+                        except CheckpointError as exc_one:
+                            yield _problem(one.record, entry, exc_one)
+        batch, size = ([chunk], chunk.record.length) if chunk is not None else ([], 0)
+
+
+def _read_chunks(reader: Reader, entry: Entry, chunks: list[Chunk]) -> None:
+    for chunk, data in zip(chunks, reader._decode_tensors(entry, chunks), strict=True):
+        source = f"{reader.storage.describe(chunk.record.file)} @{chunk.record.offset}"
+        view = strided_view(data, f"{source} ({entry.key})")
+        if view.size != chunk.numel or (not chunk.flat and view.shape != chunk.sizes):
+            raise MismatchError(
+                f"{source}: {entry.key!r} record holds shape {list(view.shape)}, the metadata "
+                f"says {list(chunk.sizes)}"
+            )
+
+
+def _problem(record: Record, entry: Entry, exc: CheckpointError) -> Problem:
+    return Problem(record.file, entry.key, problem_kind(exc), str(exc))
