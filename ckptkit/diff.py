@@ -1,0 +1,534 @@
+"""Per-key differences between two checkpoints of any formats, streamed tensor by tensor.
+
+Keys are matched after dropping wrapper segments (``_fsdp_wrapped_module.`` …) and applying a
+``key_map``; tensors stream from both sides in lockstep, in blocks of at most
+:data:`BLOCK_ELEMENTS` elements whatever the two sides' chunking. Each block's raw bytes are
+compared first, so bit-identical tensors cost a byte comparison and no float math.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import dtypes
+from .catalog import Entry
+from .checkpoint import Checkpoint, open_source
+from .dtypes import DType
+from .errors import CorruptRecordError, KeyNotFoundError
+from .reading import Reader
+from .unpickler import Opaque, TensorRef
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: The ``status`` values, from "nothing to see" to structural changes.
+STATUSES = (
+    "equal",  # same dtype and shape, bit-identical bytes
+    "close",  # same dtype and shape, every element within tolerance
+    "different",  # same dtype and shape, some element outside tolerance
+    "only_a",
+    "only_b",
+    "dtype_changed",  # numeric columns still filled when the shapes agree
+    "shape_changed",
+    "object_changed",  # non-tensor values differ (or a tensor on one side, an object on the other)
+)
+#: Statuses meaning "the same within tolerance" (the CLI exits 0 when every row has one).
+SAME = ("equal", "close")
+#: Elements compared at once; float64 working arrays then stay at a few × 8 MB.
+BLOCK_ELEMENTS = 1 << 20
+#: Module-wrapper path segments that are never part of a parameter's identity.
+WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+COLUMNS = [
+    "key",
+    "status",
+    "dtype",
+    "shape",
+    "numel",
+    "max_abs",
+    "mean_abs",
+    "rel_l2",
+    "cosine",
+    "frac_outside",
+    "note",
+    "key_b",
+]
+
+KeyMap = Mapping[str, str] | Callable[[str], str] | None
+
+
+def diff(
+    a: str | Checkpoint,
+    b: str | Checkpoint,
+    *,
+    keys: Sequence[str] | str | None = None,
+    key_map: KeyMap = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-8,
+    storage_options: dict | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """One row per key of ``a`` and ``b``: its status and, for numeric tensors, how far apart.
+
+    ``max_abs`` = max |a−b|, ``mean_abs``, ``rel_l2`` = ‖a−b‖/‖a‖, ``cosine``, ``frac_outside``
+    = fraction of elements with |a−b| > atol + rtol·|b| (``torch.isclose``; NaN matches NaN;
+    integer and bool tensors have no tolerance). Keys are matched after ``key_map`` (a dict of
+    prefix → prefix, or a callable) is applied to both sides' keys, wrapper segments such as
+    ``_fsdp_wrapped_module.`` dropped; ``keys`` globs select among the mapped keys. ``key`` is
+    a's key (b's for ``only_b``), ``key_b`` b's. Memory stays at about two blocks plus what the
+    readers hold for the current tensor (≤ 2 × the largest tensor + 64 MB).
+    """
+    import pandas as pd
+
+    if not (rtol >= 0 and atol >= 0):
+        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
+    ckpt_a = open_source(a, storage_options)
+    ckpt_b = open_source(b, storage_options)
+    side_a = _mapped(ckpt_a, key_map, keys)
+    side_b = _mapped(ckpt_b, key_map, keys)
+    if keys is not None and not side_a and not side_b:  # a mistyped glob must not "pass"
+        raise KeyNotFoundError(f"{ckpt_a.url}, {ckpt_b.url}: no key matches {keys!r}")
+
+    pairs = [(name, entry, side_b.get(name)) for name, entry in side_a.items()]
+    pairs += [(name, None, entry) for name, entry in side_b.items() if name not in side_a]
+    objects = _compare_objects(
+        ckpt_a,
+        ckpt_b,
+        [(ea, eb) for _, ea, eb in pairs if _both(ea, eb) and ea.kind == eb.kind == "object"],
+    )
+    tolerance = _Tolerance(rtol, atol)
+    total = sum(
+        max(ea.nbytes, eb.nbytes)
+        for _, ea, eb in pairs
+        if _both(ea, eb) and ea.kind == eb.kind == "tensor"
+    )
+    rows = []
+    with _Progress(total, progress) as bar:
+        for _, ea, eb in pairs:
+            row = _row(ea, eb)
+            if ea is None:
+                row["status"] = "only_b"
+            elif eb is None:
+                row["status"] = "only_a"
+            elif ea.kind != eb.kind:
+                row["status"] = "object_changed"
+                row["note"] = f"{ea.kind} in a, {eb.kind} in b"
+            elif ea.kind == "object":
+                row["status"], row["note"] = objects[ea.key]
+            else:
+                row.update(_compare_tensor_entries(ckpt_a, ea, ckpt_b, eb, tolerance, bar))
+            rows.append(row)
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame["numel"] = frame["numel"].astype("Int64")
+    frame.attrs.update(a=_location(ckpt_a), b=_location(ckpt_b), rtol=rtol, atol=atol)
+    return frame
+
+
+def _location(ckpt: Checkpoint) -> str:
+    """Where a checkpoint is: its directory, or the one file that was named."""
+    files = ckpt.detection.files
+    return ckpt.storage.describe(files[0]) if files and len(files) == 1 else ckpt.url
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+
+def map_key(key: str, key_map: KeyMap = None) -> str:
+    """``key`` with wrapper segments dropped, then renamed by ``key_map``.
+
+    A dict maps prefixes (the longest matching one wins: ``{"pytorch_model.": "model."}``); a
+    callable gets the key and returns its new name.
+    """
+    for wrapper in WRAPPERS:
+        key = key.replace(wrapper, "")
+    if key_map is None:
+        return key
+    if callable(key_map):
+        return key_map(key)
+    for prefix in sorted(key_map, key=len, reverse=True):
+        if key.startswith(prefix):
+            return key_map[prefix] + key[len(prefix) :]
+    return key
+
+
+def _mapped(ckpt: Checkpoint, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:
+    """Mapped key → entry of the selected entries of ``ckpt``; two keys mapping to one refused."""
+    patterns = [keys] if isinstance(keys, str) else keys
+    out: dict[str, Entry] = {}
+    for entry in ckpt.catalog.entries.values():
+        name = map_key(entry.key, key_map)
+        if patterns is not None and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        if name in out:
+            raise ValueError(
+                f"{ckpt.url}: keys {out[name].key!r} and {entry.key!r} both map to {name!r}"
+            )
+        out[name] = entry
+    return out
+
+
+def _both(ea: Entry | None, eb: Entry | None) -> bool:
+    return ea is not None and eb is not None
+
+
+def _row(ea: Entry | None, eb: Entry | None) -> dict[str, Any]:
+    entry = ea if ea is not None else eb
+    tensor = entry.kind == "tensor"
+    return {
+        "key": entry.key,
+        "status": None,
+        "dtype": entry.dtype.name if tensor else None,
+        "shape": entry.shape if tensor else None,
+        "numel": entry.numel if tensor else None,
+        "max_abs": math.nan,
+        "mean_abs": math.nan,
+        "rel_l2": math.nan,
+        "cosine": math.nan,
+        "frac_outside": math.nan,
+        "note": "",
+        "key_b": eb.key if eb is not None else None,
+    }
+
+
+# -- tensors ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tolerance:
+    rtol: float
+    atol: float
+
+
+def _compare_tensor_entries(
+    ckpt_a: Checkpoint, ea: Entry, ckpt_b: Checkpoint, eb: Entry, tol: _Tolerance, bar
+) -> dict[str, Any]:
+    if ea.shape != eb.shape:
+        bar.update(max(ea.nbytes, eb.nbytes))
+        return {"status": "shape_changed", "note": f"shape {ea.shape} → {eb.shape}"}
+    numeric = _numeric(ea.dtype) and _numeric(eb.dtype)
+    if ea.dtype != eb.dtype and not numeric:
+        bar.update(max(ea.nbytes, eb.nbytes))
+        return {"status": "dtype_changed", "note": f"dtype {ea.dtype.name} → {eb.dtype.name}"}
+    stats = _compare_streams(ckpt_a.reader, ea, ckpt_b.reader, eb, tol, bar)
+    out = stats.result()
+    if ea.dtype != eb.dtype:
+        out.update(status="dtype_changed", note=f"dtype {ea.dtype.name} → {eb.dtype.name}")
+    return out
+
+
+def _numeric(dt: DType) -> bool:
+    return dt.name != "bool" and (dt.is_floating or dt.numpy is not None)
+
+
+def _sumsq(x: np.ndarray) -> float:
+    """‖x‖² (BLAS dot for real arrays)."""
+    return float(np.dot(x, x)) if x.dtype.kind == "f" else float(np.vdot(x, x).real)
+
+
+class _Stats:
+    """Running sums over blocks; the identical prefix's ‖a‖² is filled in at the end."""
+
+    def __init__(self, numel: int, exact: bool) -> None:
+        self.numel = numel
+        self.exact = exact  # integer/bool: no tolerance
+        self.identical = True
+        self.prefix = 0  # elements of the leading bit-identical blocks (no float math done)
+        self.sum_abs = 0.0
+        self.max_abs = 0.0
+        self.sumsq_a = 0.0
+        self.sumsq_b = 0.0
+        self.dot = 0.0
+        self.sumsq_diff = 0.0
+        self.outside = 0
+
+    def same_block(self, x: np.ndarray) -> None:
+        """A bit-identical block after a difference was seen: only ‖a‖², ‖b‖², ⟨a,b⟩ grow."""
+        s = _sumsq(x)
+        self.sumsq_a += s
+        self.sumsq_b += s
+        self.dot += s
+
+    def block(self, x: np.ndarray, y: np.ndarray, raw_differs: np.ndarray | None, tol) -> None:
+        d = np.subtract(x, y)
+        d = np.abs(d, out=d) if d.dtype.kind == "f" else np.abs(d)
+        nan = np.isnan(d)
+        if nan.any():  # NaN vs NaN and inf vs the same inf match; NaN vs a number is inf apart
+            same = (x == y) | (np.isnan(x) & np.isnan(y))
+            d[same] = 0.0
+            d[nan & ~same] = math.inf
+        del nan
+        if raw_differs is not None:  # integers: exact
+            self.outside += int(np.count_nonzero(raw_differs))
+        else:
+            bound = np.abs(y)
+            bound *= tol.rtol
+            bound += tol.atol
+            self.outside += int(np.count_nonzero(d > bound))
+            del bound
+        self.sum_abs += float(d.sum())
+        if d.size:
+            self.max_abs = max(self.max_abs, float(d.max()))
+        self.sumsq_a += _sumsq(x)
+        self.sumsq_b += _sumsq(y)
+        self.dot += float(np.vdot(x, y).real)
+        self.sumsq_diff += float(np.dot(d, d))
+
+    def result(self) -> dict[str, Any]:
+        if self.identical:
+            return {
+                "status": "equal",
+                "max_abs": 0.0,
+                "mean_abs": 0.0,
+                "rel_l2": 0.0,
+                "cosine": 1.0,
+                "frac_outside": 0.0,
+            }
+        norm_a, norm_b = math.sqrt(self.sumsq_a), math.sqrt(self.sumsq_b)
+        norm_diff = math.sqrt(self.sumsq_diff)
+        rel_l2 = norm_diff / norm_a if norm_a else (0.0 if norm_diff == 0 else math.inf)
+        if norm_a and norm_b:
+            cosine = self.dot / (norm_a * norm_b)
+        else:
+            cosine = 1.0 if norm_a == norm_b == 0 else math.nan
+        return {
+            "status": "close" if self.outside == 0 else "different",
+            "max_abs": self.max_abs,
+            "mean_abs": self.sum_abs / self.numel if self.numel else 0.0,
+            "rel_l2": rel_l2,
+            "cosine": cosine,
+            "frac_outside": self.outside / self.numel if self.numel else 0.0,
+        }
+
+
+def _compare_streams(ra: Reader, ea: Entry, rb: Reader, eb: Entry, tol: _Tolerance, bar) -> _Stats:
+    same_dtype = ea.dtype == eb.dtype
+    stats = _Stats(ea.numel, exact=same_dtype and not ea.dtype.is_floating)
+    for n, ba, bb in aligned_blocks(ra, ea, rb, eb):
+        bar.update(max(len(ba), len(bb)))
+        if same_dtype and _bytes_equal(ba, bb):
+            if stats.identical:
+                stats.prefix += n
+            else:
+                stats.same_block(as_float(ba, ea.dtype))
+            del ba, bb
+            continue
+        stats.identical = False
+        raw_differs = None
+        if stats.exact:
+            np_dtype = dtypes.to_numpy(ea.dtype)
+            raw_differs = np.frombuffer(ba, np_dtype) != np.frombuffer(bb, np_dtype)
+        stats.block(as_float(ba, ea.dtype), as_float(bb, eb.dtype), raw_differs, tol)
+        del ba, bb, raw_differs  # so the next read does not overlap a spent record
+    if not stats.identical and stats.prefix:
+        _add_prefix_norms(ra, ea, stats)
+    return stats
+
+
+def _add_prefix_norms(reader: Reader, entry: Entry, stats: _Stats) -> None:
+    """Re-read the leading identical elements of a tensor that turned out to differ later."""
+    stream = _ByteStream(reader.iter_bytes(entry), entry.key)
+    remaining = stats.prefix
+    while remaining:
+        n = min(BLOCK_ELEMENTS, remaining)
+        stats.same_block(as_float(stream.take(n * entry.dtype.itemsize), entry.dtype))
+        remaining -= n
+
+
+def aligned_blocks(
+    ra: Reader, ea: Entry, rb: Reader, eb: Entry
+) -> Iterator[tuple[int, memoryview, memoryview]]:
+    """``(n, a_bytes, b_bytes)``: the same ``n`` row-major elements of both tensors, in order."""
+    block = BLOCK_ELEMENTS
+    sa = _ByteStream(ra.iter_bytes(ea), ea.key)
+    sb = _ByteStream(rb.iter_bytes(eb), eb.key)
+    remaining = ea.numel
+    while remaining:
+        n = min(block, remaining)
+        yield n, sa.take(n * ea.dtype.itemsize), sb.take(n * eb.dtype.itemsize)
+        remaining -= n
+    sa.finish()
+    sb.finish()
+
+
+class _ByteStream:
+    """Fixed-size takes from a stream of byte pieces (copies only when a take spans pieces)."""
+
+    def __init__(self, pieces: Iterator[memoryview], key: str) -> None:
+        self.pieces, self.key = pieces, key
+        self.piece: memoryview = memoryview(b"")
+        self.pos = 0
+
+    def _advance(self) -> None:
+        for piece in self.pieces:
+            if len(piece):
+                self.piece, self.pos = piece.cast("B") if piece.format != "B" else piece, 0
+                return
+        raise CorruptRecordError(f"{self.key!r}: records hold fewer bytes than the tensor needs")
+
+    def take(self, n: int) -> memoryview:
+        if self.pos == len(self.piece):
+            self.piece = memoryview(b"")  # drop the spent piece before reading the next
+            self._advance()
+        if len(self.piece) - self.pos >= n:
+            out = self.piece[self.pos : self.pos + n]
+            self.pos += n
+            return out
+        buf = bytearray(n)
+        filled = 0
+        while filled < n:
+            if self.pos == len(self.piece):
+                self.piece = memoryview(b"")
+                self._advance()
+            k = min(n - filled, len(self.piece) - self.pos)
+            buf[filled : filled + k] = self.piece[self.pos : self.pos + k]
+            filled += k
+            self.pos += k
+        return memoryview(buf)
+
+    def finish(self) -> None:
+        if self.pos != len(self.piece) or any(len(p) for p in self.pieces):
+            raise CorruptRecordError(f"{self.key!r}: records hold more bytes than the tensor needs")
+
+
+def _bytes_equal(a: memoryview, b: memoryview) -> bool:
+    if len(a) != len(b):
+        return False
+    word = np.uint64 if len(a) % 8 == 0 else np.uint8
+    return bool(np.array_equal(np.frombuffer(a, word), np.frombuffer(b, word)))
+
+
+_FP8_TABLES: dict[str, np.ndarray] = {}
+
+
+def as_float(buf: memoryview, dt: DType) -> np.ndarray:
+    """Elements of ``dt`` as float64 (complex128 for complex types), exactly."""
+    if dt.name == "bfloat16":
+        bits = np.frombuffer(buf, np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    if dt.numpy is None:  # fp8: a 256-entry table made by torch once
+        table = _FP8_TABLES.get(dt.name)
+        if table is None:
+            import torch
+
+            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+            table = codes.view(dtypes.to_torch(dt)).to(torch.float64).numpy()
+            _FP8_TABLES[dt.name] = table
+        return table[np.frombuffer(buf, np.uint8)]
+    values = np.frombuffer(buf, dtypes.to_numpy(dt))
+    return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
+
+
+# -- objects ------------------------------------------------------------------------------
+
+
+def _compare_objects(
+    ckpt_a: Checkpoint, ckpt_b: Checkpoint, pairs: list[tuple[Entry, Entry]]
+) -> dict[str, tuple[str, str]]:
+    """a's key → (status, note) for each pair of object entries, compared by value."""
+    if not pairs:
+        return {}
+    values_a = _read_objects(ckpt_a, [ea for ea, _ in pairs])
+    values_b = _read_objects(ckpt_b, [eb for _, eb in pairs])
+    out = {}
+    for (ea, _), va, vb in zip(pairs, values_a, values_b, strict=True):
+        if same_value(va, vb):
+            out[ea.key] = ("equal", "")
+        else:
+            from .tables import preview
+
+            out[ea.key] = ("object_changed", f"{preview(va)} → {preview(vb)}")
+    return out
+
+
+def _read_objects(ckpt: Checkpoint, entries: list[Entry]) -> list[Any]:
+    """Decoded values; torch is imported only for objects that hold tensors."""
+    values = ckpt.reader.read_objects(entries, tensors="ref")
+    for i, value in enumerate(values):
+        if _holds_tensor(value):
+            values[i] = ckpt.reader.read_objects([entries[i]], tensors="torch")[0]
+    return values
+
+
+def _holds_tensor(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, TensorRef):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, Opaque):
+            stack.extend([*item.args, item.state, *item.items])
+    return False
+
+
+def same_value(x: Any, y: Any) -> bool:
+    """Equality of decoded objects: types must match (any two mappings compare by items), NaN
+    equals NaN, tensors and arrays by dtype, shape and bytes, placeholders by global name,
+    arguments and state."""
+    if isinstance(x, Mapping) and isinstance(y, Mapping):
+        return x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x)
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, Opaque):
+        return (
+            x.global_name == y.global_name
+            and same_value(x.args, y.args)
+            and same_value(x.state, y.state)
+            and same_value(x.items, y.items)
+        )
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same_value(i, j) for i, j in zip(x, y, strict=True))
+    if isinstance(x, float):
+        return x == y or (math.isnan(x) and math.isnan(y))
+    if isinstance(x, np.ndarray):
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+        return (
+            x.dtype == y.dtype
+            and x.shape == y.shape
+            and x.contiguous().view(-1).view(_torch_uint8()).numpy().tobytes()
+            == y.contiguous().view(-1).view(_torch_uint8()).numpy().tobytes()
+        )
+    try:
+        return bool(x == y)
+    except (TypeError, ValueError):
+        return x is y
+
+
+def _torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+class _Progress:
+    """A tqdm bar over compared bytes, or a do-nothing stand-in."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="diff")
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
