@@ -3,35 +3,81 @@
 Inspection never imports torch and never runs pickle code from a checkpoint.
 """
 
-from .checkpoint import Checkpoint, open
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .checkpoint import Checkpoint, detect, open
 from .convert import UnshardResult, convert, unshard
+from .diff import diff
 from .errors import (
+    AccessDeniedError,
     CheckpointError,
+    ChecksumError,
     CorruptRecordError,
+    CoverageError,
     FormatError,
     KeyNotFoundError,
+    LimitExceededError,
+    MismatchError,
     MissingFileError,
+    StorageError,
+    TruncatedFileError,
     UnsafePickleError,
 )
 from .formats import Detection
+from .sizes import compare_sizes
 from .state_dict import LoadResult, from_checkpoint, load_state_dict
+from .verify import verify
+
+if TYPE_CHECKING:
+    from . import browser
+
+
+def browse(
+    source: str | Checkpoint,
+    *,
+    compare_to: str | Checkpoint | None = None,
+    storage_options: dict | None = None,
+) -> browser.Browser:
+    """An ipywidgets browser over ``source``'s tensors (see :mod:`ckptkit.browser`).
+
+    Imported on first use, so ``import ckptkit`` needs no ipywidgets. (The module is not named
+    ``browse``: importing it would rebind ``ckptkit.browse`` from this function to the module.)
+    """
+    from .browser import browse as _browse
+
+    return _browse(source, compare_to=compare_to, storage_options=storage_options)
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "Checkpoint",
     "CheckpointError",
+    "ChecksumError",
     "CorruptRecordError",
+    "CoverageError",
+    "LimitExceededError",
+    "MismatchError",
+    "TruncatedFileError",
     "Detection",
     "FormatError",
     "KeyNotFoundError",
     "MissingFileError",
+    "StorageError",
     "LoadResult",
     "UnsafePickleError",
     "UnshardResult",
+    "browse",
+    "compare_sizes",
     "convert",
+    "detect",
+    "diff",
     "from_checkpoint",
     "load_state_dict",
     "open",
     "unshard",
+    "verify",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
@@ -25,6 +25,9 @@ class Encoding(StrEnum):
     # a torch.save zip's whole data.pkl; the value is the leaf at ``Record.name``, a JSON list
     # path into the unpickled structure such as '["param_groups", 0, "lr"]'
     PICKLE_LEAF = "pickle_leaf"
+    # the record's bytes are one bare pickle (e.g. held in a uint8 tensor), decoded with the object
+    # allowlist; the value is the leaf at ``Record.name`` (a JSON list path, None = all of it)
+    PICKLE_BYTES = "pickle_bytes"
 
 
 # Record and Chunk are plain (unfrozen) slotted classes so that an adapter may build them straight
@@ -43,6 +46,14 @@ class Record:
     name: str | None = None  # SAFETENSORS: the tensor's name in the blob header
     stride: tuple[int, ...] | None = None  # RAW: element strides, None = row-major
     storage_offset: int = 0  # RAW: elements to skip before the first one
+    crc32: int | None = None  # CRC-32 of exactly these bytes when the format stores one
+
+
+def shared(record: Record) -> bool:
+    """True when the record is a whole pickle that other entries' leaves come from too."""
+    return record.encoding is Encoding.PICKLE_LEAF or (
+        record.encoding is Encoding.PICKLE_BYTES and record.name is not None
+    )
 
 
 @dataclass(slots=True)
@@ -96,9 +107,7 @@ class Entry:
         if self.kind == "tensor" and self.dtype is not None:
             return self.numel * self.dtype.itemsize
         return sum(
-            c.record.length
-            for c in self.chunks
-            if c.record is not None and c.record.encoding is not Encoding.PICKLE_LEAF
+            c.record.length for c in self.chunks if c.record is not None and not shared(c.record)
         )
 
 
@@ -110,6 +119,9 @@ class Catalog:
     entries: dict[str, Entry]
     files: list[str]  # data files the records point into, relative to the checkpoint root
     info: dict[str, Any] = field(default_factory=dict)  # format-specific facts (version, ids…)
+    #: The allowlist PICKLE_LEAF pickles are decoded with (None: ``unpickler.OBJECT_GLOBALS``);
+    #: set by formats whose torch.save pickles name more classes (ShardedTensor rank files).
+    object_globals: Mapping[str, Any] | None = field(default=None, repr=False)
 
     def tensors(self) -> list[Entry]:
         return [e for e in self.entries.values() if e.kind == "tensor"]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from collections.abc import Iterator
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import formats
 from .catalog import Catalog, Entry
@@ -21,15 +22,32 @@ if TYPE_CHECKING:  # pandas is imported on first use: opening a checkpoint does 
 
 
 def open(
-    url: str, *, storage_options: dict[str, Any] | None = None, format: str | None = None
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    format: str | None = None,
+    cache: Literal["blocks", "files"] | None = None,
+    verify_crc: bool = True,
 ) -> Checkpoint:  # noqa: A001
     """Open the checkpoint at ``url`` (a path or fsspec URL), reading only its metadata.
 
     ``format`` forces an adapter instead of detecting one; ``storage_options`` go to fsspec.
+    ``cache="blocks"`` / ``"files"`` keep what is fetched from a remote store in a local
+    temporary cache (fsspec's blockcache / filecache) for repeated reads; None fetches exactly.
+    ``verify_crc`` checks every record read against the CRC-32 stored with it (torch.save zip
+    members: DCP records, ``*.pt`` storages) and raises :class:`ChecksumError` on a mismatch;
+    False skips that for speed (see ``benchmarks/bench_crc.py`` for its cost).
     """
-    storage = Storage(url, storage_options)
+    storage = Storage(url, storage_options, cache=cache)
     detection = formats.detect(storage, format)
-    return Checkpoint(formats.describe(detection), detection)
+    return Checkpoint(formats.describe(detection), detection, verify_crc=verify_crc)
+
+
+def detect(url: str, *, storage_options: dict[str, Any] | None = None) -> Detection:
+    """Which format is at ``url`` and why (``Detection(format, evidence)``), reading only a
+    listing and a few bytes; a location that fits no format raises :class:`FormatError`
+    listing what was looked for and what was found."""
+    return formats.detect(Storage(url, storage_options))
 
 
 def open_source(src: str | Checkpoint, storage_options: dict[str, Any] | None = None) -> Checkpoint:
@@ -40,11 +58,11 @@ def open_source(src: str | Checkpoint, storage_options: dict[str, Any] | None = 
 class Checkpoint:
     """A checkpoint described by its metadata: DataFrames, and tensors read on demand."""
 
-    def __init__(self, catalog: Catalog, detection: Detection) -> None:
+    def __init__(self, catalog: Catalog, detection: Detection, *, verify_crc: bool = True) -> None:
         self.catalog = catalog
         self.detection = detection
         self.storage = detection.storage
-        self.reader = Reader(self.storage)
+        self.reader = Reader(self.storage, catalog.object_globals, verify_crc=verify_crc)
 
     # -- identity --------------------------------------------------------------------------
 
@@ -116,26 +134,87 @@ class Checkpoint:
 
     # -- values ----------------------------------------------------------------------------
 
-    def read(self, key: str):
-        """The full tensor ``key`` as a ``torch.Tensor``, assembled from its chunks."""
-        return self.reader.read_tensor(self._tensor_entry(key))
+    def read(self, key: str, *, rank: int | None = None):
+        """The full tensor ``key`` as a ``torch.Tensor``, assembled from its chunks.
 
-    def read_numpy(self, key: str):
+        ``rank`` picks one rank's copy of a value every rank saved (per-rank files hold e.g.
+        their own ``step``); by default the first copy (rank 0's) is read.
+        """
+        return self.reader.read_tensor(self._on_rank(self._tensor_entry(key), rank))
+
+    def read_numpy(self, key: str, *, rank: int | None = None):
         """The full tensor as a numpy array, without torch (bfloat16/fp8 as raw unsigned ints)."""
-        return self.reader.read_array(self._tensor_entry(key))
+        return self.reader.read_array(self._on_rank(self._tensor_entry(key), rank))
 
-    def read_object(self, key: str) -> Any:
-        """The non-tensor value ``key``, decoded safely: unknown classes come back as placeholders."""
+    def read_object(self, key: str, *, rank: int | None = None, trust: bool = False) -> Any:
+        """The non-tensor value ``key``, decoded safely: unknown classes come back as placeholders.
+
+        ``rank`` picks one rank's copy (e.g. its RNG state in per-rank trainer state).
+
+        ``trust=True`` is an escape hatch for objects the allowlist cannot decode (a custom
+        class you need for real): the value is loaded the way torch loads it,
+        ``torch.load(weights_only=False)`` / ``pickle.loads``. **WARNING: this runs any code the
+        pickle contains** (``os.system``, ``exec``…); a malicious checkpoint then owns your
+        process. Use it only on checkpoints you made or whose origin you trust. It applies to
+        this one object only: metadata is never loaded this way.
+        """
         entry = self.entry(key)
         if entry.kind != "object":
             raise KeyNotFoundError(f"{self.url}: {key!r} is a tensor; use read()")
-        return self.reader.read_objects([entry])[0]
+        if trust:
+            return self.reader.read_object_trusted(self._on_rank(entry, rank))
+        return self.reader.read_objects([self._on_rank(entry, rank)])[0]
 
     def _tensor_entry(self, key: str) -> Entry:
         entry = self.entry(key)
         if entry.kind != "tensor":
             raise KeyNotFoundError(f"{self.url}: {key!r} is an object; use read_object()")
         return entry
+
+    def _on_rank(self, entry: Entry, rank: int | None) -> Entry:
+        """``entry`` restricted to the copy ``rank`` saved (all of it when ``rank`` is None)."""
+        if rank is None:
+            return entry
+        chunks = tuple(c for c in entry.chunks if c.rank == rank)
+        if not chunks:
+            ranks = sorted({c.rank for c in entry.chunks if c.rank is not None})
+            raise KeyNotFoundError(
+                f"{self.url}: rank {rank} saved no copy of {entry.key!r} (ranks: {ranks})"
+            )
+        if entry.kind == "tensor" and sum(c.numel for c in chunks) < entry.numel:
+            raise KeyNotFoundError(
+                f"{self.url}: rank {rank} holds only a shard of {entry.key!r}; read it "
+                "without rank= to assemble it"
+            )
+        return dataclasses.replace(entry, chunks=chunks)
+
+    # -- run config ------------------------------------------------------------------------
+
+    @cached_property
+    def config(self) -> Any:
+        """The run's config saved beside the checkpoint (OLMo ``config.yaml``, OLMo-core or HF
+        ``config.json``), parsed; None when there is none."""
+        from .run_config import read_config
+
+        return read_config(self.storage, self.catalog.info.get("config_file"))
+
+    @cached_property
+    def config_table(self) -> pd.DataFrame:
+        """:attr:`config` flattened: one row per value, ``key`` dotted (``model.d_model``)."""
+        from .run_config import config_table
+
+        return config_table(self.config)
+
+    def verify(self, *, crc: bool = True) -> pd.DataFrame:
+        """Check the whole checkpoint for damage: every file there with the sizes its records
+        need, every record parsing and matching the metadata, CRC-32 of every stored record
+        (``crc=False`` skips that), every tensor covered once by its chunks. Reads all data.
+
+        Returns one row per problem (``file, key, problem, detail``); empty when it is sound.
+        """
+        from .verify import verify_checkpoint
+
+        return verify_checkpoint(self, crc=crc)
 
     # -- display ---------------------------------------------------------------------------
 

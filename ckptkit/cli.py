@@ -1,4 +1,4 @@
-"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``.
+"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``, ``diff``, ``sizes``.
 
 Errors print one line on stderr and exit with status 2; ``inspect --json`` imports neither torch
 nor pandas, so it starts fast.
@@ -64,6 +64,41 @@ def _parser() -> argparse.ArgumentParser:
         "--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format"
     )
     convert.set_defaults(run=_convert)
+
+    diff = commands.add_parser(
+        "diff",
+        help="compare two checkpoints key by key (exit 0: equal within tolerance, 1: different)",
+    )
+    diff.add_argument("a", help="checkpoint path or fsspec URL")
+    diff.add_argument("b", help="checkpoint path or fsspec URL")
+    diff.add_argument("--keys", nargs="+", metavar="GLOB", help="only keys matching these globs")
+    diff.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
+    diff.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    diff.add_argument(
+        "--key-map",
+        nargs="+",
+        metavar="OLD=NEW",
+        help="rename key prefixes on both sides before matching, e.g. pytorch_model.=model.",
+    )
+    diff.add_argument("--all", action="store_true", help="list equal keys too")
+    diff.add_argument("--json", action="store_true", help="machine-readable output")
+    diff.add_argument("--quiet", action="store_true", help="no progress bar")
+    diff.set_defaults(run=_diff)
+
+    sizes = commands.add_parser("sizes", help="bytes on disk of checkpoints side by side")
+    sizes.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint paths or URLs")
+    sizes.add_argument("--labels", nargs="+", metavar="LABEL", help="row names (default: paths)")
+    sizes.add_argument("--json", action="store_true", help="machine-readable output")
+    sizes.set_defaults(run=_sizes)
+
+    verify = commands.add_parser(
+        "verify",
+        help="read everything and report damage (exit 0: sound, 1: problems found)",
+    )
+    verify.add_argument("path", help="checkpoint path or fsspec URL")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.add_argument("--no-crc", dest="crc", action="store_false", help="skip CRC-32 checks")
+    verify.set_defaults(run=_verify)
     return parser
 
 
@@ -76,13 +111,24 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-verify-crc",
+        dest="verify_crc",
+        action="store_false",
+        help="skip checking what is read against the stored CRC-32 (faster)",
+    )
+
+
+def _source(args: argparse.Namespace):
+    """The source checkpoint, opened with the CRC setting of ``--no-verify-crc``."""
+    return open_checkpoint(args.src, verify_crc=args.verify_crc)
 
 
 def _unshard(args: argparse.Namespace) -> int:
     from .convert import unshard
 
     result = unshard(
-        args.src,
+        _source(args),
         args.dst,
         to=args.to,
         keys=args.keys,
@@ -100,7 +146,7 @@ def _convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
     result = convert(
-        args.src,
+        _source(args),
         args.dst,
         to=args.to,
         keys=args.keys,
@@ -110,6 +156,132 @@ def _convert(args: argparse.Namespace) -> int:
     )
     print(result)
     return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .diff import SAME, diff
+
+    key_map = None
+    if args.key_map:
+        pairs = [item.split("=", 1) for item in args.key_map]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"--key-map takes OLD=NEW prefixes, got {args.key_map}")
+        key_map = dict(pairs)
+    frame = diff(
+        args.a,
+        args.b,
+        keys=args.keys,
+        key_map=key_map,
+        rtol=args.rtol,
+        atol=args.atol,
+        progress=not args.quiet and not args.json,
+    )
+    same = bool(frame["status"].isin(SAME).all())
+    if args.json:
+        json.dump(diff_json(frame, same), sys.stdout, allow_nan=False)
+        sys.stdout.write("\n")
+    else:
+        print(diff_text(frame, same, show_all=args.all))
+    return 0 if same else 1
+
+
+def diff_json(frame, same: bool) -> dict:
+    """The ``diff --json`` document: settings, verdict, counts per status and every row."""
+    import math
+
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        if isinstance(value, tuple):
+            return list(value)
+        return None if value is None or value != value else value
+
+    rows = [
+        {column: clean(value) for column, value in row.items()}
+        for row in frame.astype(object).to_dict("records")
+    ]
+    return {
+        "a": frame.attrs.get("a"),
+        "b": frame.attrs.get("b"),
+        "rtol": frame.attrs.get("rtol"),
+        "atol": frame.attrs.get("atol"),
+        "same": same,
+        "counts": {k: int(v) for k, v in frame["status"].value_counts().items()},
+        "keys": rows,
+    }
+
+
+def diff_text(frame, same: bool, *, show_all: bool = False) -> str:
+    """A human report: verdict and counts, then one line per key that is not ``equal``."""
+    counts = ", ".join(f"{n} {status}" for status, n in frame["status"].value_counts().items())
+    shown = frame if show_all else frame[frame["status"] != "equal"]
+    columns = ["key", "status", "dtype", "shape", "max_abs", "rel_l2", "cosine", "frac_outside"]
+    if shown["note"].astype(bool).any():
+        columns.append("note")
+    verdict = "equal within tolerance" if same else "DIFFERENT"
+    lines = [
+        f"a: {frame.attrs.get('a')}",
+        f"b: {frame.attrs.get('b')}",
+        f"{len(frame)} keys (rtol={frame.attrs.get('rtol')}, atol={frame.attrs.get('atol')}): "
+        f"{counts or 'none'} -> {verdict}",
+    ]
+    if len(shown):
+        table = shown[columns].astype(object)
+        for column in columns:
+            table[column] = [_cell(value) for value in table[column]]
+        lines += ["", table.to_string(index=False)]
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    """A table cell: floats to 3 significant digits, missing values blank."""
+    if value is None or value != value:
+        return ""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _sizes(args: argparse.Namespace) -> int:
+    from .sizes import compare_sizes
+
+    frame = compare_sizes(*args.paths, labels=args.labels)
+    if args.json:
+        rows = [
+            {"label": label, **{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}}
+            for label, row in frame.to_dict("index").items()
+        ]
+        json.dump({"checkpoints": rows}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(sizes_text(frame))
+    return 0
+
+
+def sizes_text(frame) -> str:
+    """The ``compare_sizes`` frame with byte counts in kB/MB/GB."""
+    from .tables import human_bytes
+
+    shown = frame.copy()
+    for column in shown.columns:
+        if column not in ("format", "files", "records", "ratio"):
+            shown[column] = shown[column].map(human_bytes)
+    shown["ratio"] = shown["ratio"].map(lambda r: f"{r:.3f}x")
+    return shown.T.to_string()
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    frame = verify(args.path, crc=args.crc)
+    if args.json:
+        rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
+        json.dump({"path": args.path, "ok": frame.empty, "problems": rows}, sys.stdout)
+        sys.stdout.write("\n")
+    elif frame.empty:
+        print(f"{args.path}: no problems found")
+    else:
+        print(f"{args.path}: {len(frame)} problem(s)")
+        print(frame.to_string(index=False, max_colwidth=120))
+    return 0 if frame.empty else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:

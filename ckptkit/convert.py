@@ -19,6 +19,7 @@ from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
 from .errors import FormatError, UnsafePickleError
 from .reading import Reader
+from .records import TorchArchive, undo_transform
 from .state_dict import nest
 from .storage import Storage, atomic_output
 from .unpickler import Opaque
@@ -204,11 +205,15 @@ class _Copier:
             yield piece
 
     def record(self, entry: Entry, chunk: Chunk) -> bytes:
-        """A chunk's stored record, byte for byte."""
+        """A chunk's stored record, byte for byte (its CRC-32 checked first, unless the reader
+        was opened with ``verify_crc=False``)."""
         record = chunk.record
-        data = self.reader.storage.read_range(
-            record.file, record.offset, record.offset + record.length
+        (data,) = self.reader.read_ranges(
+            [(record.file, record.offset, record.offset + record.length)], entry.key
         )
+        if self.reader.verify_crc:
+            source = f"{self.reader.storage.describe(record.file)} @{record.offset} ({entry.key})"
+            TorchArchive(undo_transform(data, record.transform, source), source).check_crc()
         self.bar.update(chunk.numel * entry.dtype.itemsize)
         return data
 

@@ -15,11 +15,19 @@ import numpy as np
 
 from . import dtypes
 from .catalog import Chunk, Encoding, Entry, Record
-from .errors import CorruptRecordError, FormatError
+from .errors import (
+    CorruptRecordError,
+    CoverageError,
+    FormatError,
+    MismatchError,
+    MissingFileError,
+    TruncatedFileError,
+)
 from .records import (
     SafetensorsHeader,
     TensorData,
     ZipIndex,
+    check_crc,
     decode_object_record,
     decode_tensor_record,
     parse_safetensors_header,
@@ -37,8 +45,17 @@ BATCH_BYTES = 64 << 20
 class Reader:
     """Fetches and decodes records of one checkpoint location."""
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        object_globals: Mapping[str, Any] | None = None,
+        *,
+        verify_crc: bool = True,
+    ) -> None:
         self.storage = storage
+        self.object_globals = object_globals if object_globals is not None else OBJECT_GLOBALS
+        #: Check what is read against the CRC-32 the format stores (torch.save zip members).
+        self.verify_crc = verify_crc
         self._safetensors_headers: dict[tuple[str, int], SafetensorsHeader] = {}
         self._zip_indexes: dict[str, ZipIndex] = {}  # torch.save file → its located members
 
@@ -53,6 +70,7 @@ class Reader:
         for batch in _batches([c for c in chunks if c.record is not None]):
             for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
                 _place(out, chunk, data, entry, self.storage.describe(chunk.record.file))
+            data = None  # release this batch's records before the next batch is read
         return out
 
     def iter_bytes(self, entry: Entry) -> Iterator[memoryview]:
@@ -68,17 +86,18 @@ class Reader:
                 source = self.storage.describe(chunk.record.file)
                 view = strided_view(data, source)
                 if view.size != chunk.numel or (not chunk.flat and view.shape != chunk.sizes):
-                    raise CorruptRecordError(
+                    raise MismatchError(
                         f"{source}: {entry.key!r} record holds shape {list(view.shape)}, metadata says {list(chunk.sizes)}"
                     )
                 yield _as_bytes(view)
+            data = view = None  # release this batch before the next one is read
 
     def read_chunk(self, entry: Entry, chunk: Chunk) -> memoryview:
         """One stored chunk's elements as row-major bytes."""
         (data,) = self._decode_tensors(entry, [chunk])
         view = strided_view(data, self.storage.describe(chunk.record.file))
         if view.size != chunk.numel:
-            raise CorruptRecordError(
+            raise MismatchError(
                 f"{entry.key!r}: chunk record holds {view.size} elements, expected {chunk.numel}"
             )
         return _as_bytes(view)
@@ -94,13 +113,19 @@ class Reader:
         records = [c.record for c in chunks]
         self._load_safetensors_headers([r for r in records if r.encoding is Encoding.SAFETENSORS])
         ranges = [self._byte_range(r) for r in records]
-        blobs = self.storage.read_ranges(ranges)
+        blobs = self.read_ranges(ranges, entry.key)
         out = []
         for chunk, (_, start, _), blob in zip(chunks, ranges, blobs, strict=True):
             record = chunk.record
             source = f"{self.storage.describe(record.file)} @{start} ({entry.key})"
+            if self.verify_crc and record.crc32 is not None:
+                check_crc(blob, record.crc32, source)
             if record.encoding is Encoding.TORCH_SAVE:
-                data = decode_tensor_record(undo_transform(blob, record.transform, source), source)
+                data = decode_tensor_record(
+                    undo_transform(blob, record.transform, source),
+                    source,
+                    verify_crc=self.verify_crc,
+                )
             elif record.encoding is Encoding.SAFETENSORS:
                 dt, shape, _, _ = self._safetensors_entry(record)
                 data = TensorData(dt, shape, _row_major(shape), 0, memoryview(blob))
@@ -111,11 +136,31 @@ class Reader:
                     entry.dtype, shape, stride, record.storage_offset, memoryview(blob)
                 )
             if data.dtype != entry.dtype:
-                raise CorruptRecordError(
+                raise MismatchError(
                     f"{source}: record holds {data.dtype.name}, metadata says {entry.dtype.name}"
                 )
             out.append(data)
         return out
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]], key: str) -> list[bytes]:
+        """``storage.read_ranges`` naming ``key`` in errors; a range past the end of its file
+        raises :class:`TruncatedFileError` with the file's size."""
+        try:
+            return self.storage.read_ranges(ranges)
+        except TruncatedFileError:
+            raise
+        except MissingFileError as exc:
+            raise MissingFileError(f"{exc} (needed for {key!r})") from exc
+        except CorruptRecordError as exc:
+            sizes = self.storage.sizes(sorted({file for file, _, _ in ranges}))
+            for file, start, end in ranges:
+                size = sizes.get(file)
+                if size is not None and end > size:
+                    raise TruncatedFileError(
+                        f"{self.storage.describe(file)}: truncated: {key!r} needs bytes "
+                        f"[{start}, {end}), the file has {size} bytes"
+                    ) from exc
+            raise
 
     def _byte_range(self, record: Record) -> tuple[str, int, int]:
         if record.encoding is Encoding.SAFETENSORS:
@@ -165,17 +210,23 @@ class Reader:
                 raise FormatError(f"{entry.key!r} is not an object entry")
             records.append(entry.chunks[0].record)
         ranges = list(dict.fromkeys((r.file, r.offset, r.offset + r.length) for r in records))
-        blobs = dict(zip(ranges, self.storage.read_ranges(ranges), strict=True))
-        pickles: dict[tuple[str, int], Any] = {}  # PICKLE_LEAF records share a data.pkl
+        keys = ", ".join(repr(e.key) for e in entries[:3]) + (" …" if len(entries) > 3 else "")
+        blobs = dict(zip(ranges, self.read_ranges(ranges, keys), strict=True))
+        pickles: dict[tuple, Any] = {}  # PICKLE_LEAF / PICKLE_BYTES records share a pickle
         values = []
         for entry, record in zip(entries, records, strict=True):
             blob = blobs[(record.file, record.offset, record.offset + record.length)]
             source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
+            if self.verify_crc and record.crc32 is not None:
+                check_crc(blob, record.crc32, source)
             if record.encoding is Encoding.PICKLE_LEAF:
                 values.append(self._pickle_leaf(record, blob, pickles, tensors))
                 continue
+            if record.encoding is Encoding.PICKLE_BYTES:
+                values.append(_pickle_bytes(record, blob, pickles, source))
+                continue
             value, archive = decode_object_record(
-                undo_transform(blob, record.transform, source), source
+                undo_transform(blob, record.transform, source), source, verify_crc=self.verify_crc
             )
             if tensors == "torch":
                 value = _materialize(
@@ -184,6 +235,40 @@ class Reader:
             values.append(value)
         return values
 
+    def read_object_trusted(self, entry: Entry) -> Any:
+        """UNSAFE: ``entry``'s value as torch itself loads it (``torch.load(weights_only=False)``
+        or ``pickle.loads``), which runs whatever code the pickle names. Only for checkpoints
+        whose origin you trust; see :meth:`ckptkit.Checkpoint.read_object`."""
+        import io
+        import pickle
+
+        import torch
+
+        record = entry.chunks[0].record if entry.kind == "object" and entry.chunks else None
+        if record is None:
+            raise FormatError(f"{entry.key!r} is not an object entry")
+        source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
+        if record.encoding is Encoding.TORCH_SAVE:
+            (blob,) = self.read_ranges(
+                [(record.file, record.offset, record.offset + record.length)], entry.key
+            )
+            raw = undo_transform(blob, record.transform, source)
+            return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
+        if record.encoding is Encoding.PICKLE_LEAF:
+            whole = torch.load(
+                io.BytesIO(self.storage.read_file(record.file)),
+                weights_only=False,
+                map_location="cpu",
+            )
+            return _walk(whole, json.loads(record.name), source)
+        if record.encoding is Encoding.PICKLE_BYTES:
+            (blob,) = self.read_ranges(
+                [(record.file, record.offset, record.offset + record.length)], entry.key
+            )
+            path = json.loads(record.name) if record.name is not None else []
+            return _walk(pickle.loads(blob), path, source)
+        raise FormatError(f"{source}: no trusted loader for {record.encoding.value} records")
+
     def _pickle_leaf(
         self, record: Record, blob: bytes, pickles: dict[tuple[str, int], Any], tensors: str
     ) -> Any:
@@ -191,7 +276,7 @@ class Reader:
         source = self.storage.describe(record.file)
         if (record.file, record.offset) not in pickles:
             pickles[(record.file, record.offset)] = safe_loads(
-                blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque"
+                blob, allow=self.object_globals, source=source, unknown="opaque"
             )
         value = _walk(pickles[(record.file, record.offset)], json.loads(record.name), source)
         if tensors == "torch":
@@ -203,21 +288,85 @@ class Reader:
         if file not in self._zip_indexes:
             self._zip_indexes[file] = read_zip_indexes(self.storage, [file])[file]
         member = self._zip_indexes[file].member(f"data/{ref.storage.key}", source)
-        blob = self.storage.read_range(file, member.offset, member.offset + member.size)
+        (blob,) = self.read_ranges([(file, member.offset, member.offset + member.size)], source)
+        if self.verify_crc:
+            check_crc(blob, member.crc32, f"{source} storage {ref.storage.key}")
         data = TensorData(ref.dtype, ref.shape, ref.stride, ref.storage_offset, memoryview(blob))
         return _to_torch(data, source)
 
 
+def _pickle_bytes(record: Record, blob: bytes, pickles: dict, source: str) -> Any:
+    """The leaf at ``record.name`` of the bare pickle ``blob`` (decoded once per record). A bare
+    pickle has no storages to read: a tensor in it stays a description."""
+    cache = (record.file, record.offset, record.length)
+    if cache not in pickles:
+        pickles[cache] = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
+    path = json.loads(record.name) if record.name is not None else []
+    return _walk(pickles[cache], path, source)
+
+
 def _distinct_chunks(entry: Entry) -> list[Chunk]:
-    """Chunks with replicas (the same box saved by several ranks) dropped; checks coverage."""
+    """Chunks with replicas (the same box saved by several ranks) dropped; checks that they
+    cover the tensor exactly once (:func:`check_coverage`)."""
     seen: dict[tuple, Chunk] = {}
     for chunk in entry.chunks:
         seen.setdefault((chunk.flat, chunk.offsets, chunk.sizes), chunk)
     chunks = list(seen.values())
-    covered = sum(c.numel for c in chunks)
-    if covered != entry.numel:
-        raise FormatError(f"{entry.key!r}: chunks cover {covered} of {entry.numel} elements")
+    check_coverage(entry, chunks)
     return chunks
+
+
+def check_coverage(entry: Entry, chunks: list[Chunk]) -> None:
+    """Raise :class:`CoverageError` unless ``chunks`` (distinct boxes) tile the tensor: every
+    element in exactly one chunk, none outside it."""
+    shape = entry.shape or ()
+    boxes = [c for c in chunks if c.numel]
+    if (
+        len(boxes) == 1
+        and not boxes[0].flat
+        and boxes[0].sizes == shape
+        and not any(boxes[0].offsets)
+    ):
+        return
+    if any(c.flat for c in boxes):
+        if not all(c.flat and len(c.offsets) == 1 for c in boxes):
+            raise CoverageError(f"{entry.key!r}: flat chunks are mixed with boxes")
+        at = 0
+        for c in sorted(boxes, key=lambda c: c.offsets[0]):
+            if c.offsets[0] != at:
+                what = "overlap" if c.offsets[0] < at else "leave a hole"
+                raise CoverageError(
+                    f"{entry.key!r}: chunks {what} at flat element {min(at, c.offsets[0])}"
+                )
+            at += c.numel
+        if at != entry.numel:
+            raise CoverageError(f"{entry.key!r}: chunks cover {at} of {entry.numel} elements")
+        return
+    for c in boxes:
+        if len(c.offsets) != len(shape) or any(
+            o < 0 or o + n > dim for o, n, dim in zip(c.offsets, c.sizes, shape, strict=True)
+        ):
+            raise CoverageError(
+                f"{entry.key!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies "
+                f"outside the tensor {list(shape)}"
+            )
+    # Count, on the grid every chunk edge cuts the tensor into, how many chunks hold each cell.
+    cuts = [
+        sorted({0, dim, *(o for c in boxes for o in (c.offsets[d], c.offsets[d] + c.sizes[d]))})
+        for d, dim in enumerate(shape)
+    ]
+    cells = np.zeros([len(axis) - 1 for axis in cuts], dtype=np.int32)
+    positions = [{v: i for i, v in enumerate(axis)} for axis in cuts]
+    for c in boxes:
+        index = tuple(
+            slice(at[o], at[o + n]) for at, o, n in zip(positions, c.offsets, c.sizes, strict=True)
+        )
+        cells[index] += 1
+    if not np.all(cells == 1):
+        bad = np.argwhere(cells != 1)[0]
+        where = [cuts[d][i] for d, i in enumerate(bad)]
+        what = "overlap" if cells[tuple(bad)] > 1 else "leave a hole"
+        raise CoverageError(f"{entry.key!r}: chunks {what} at element {where}")
 
 
 def _tiles_first_dim(entry: Entry, chunks: list[Chunk]) -> bool:
@@ -268,7 +417,7 @@ def strided_view(data: TensorData, source: str) -> np.ndarray:
     )
     available = len(data.buffer) // itemsize
     if extent > available or data.storage_offset < 0 or min(data.stride, default=0) < 0:
-        raise CorruptRecordError(
+        raise MismatchError(
             f"{source}: tensor {list(data.shape)} with strides {list(data.stride)} needs {extent} "
             f"elements, the storage has {available}"
         )
@@ -282,14 +431,14 @@ def _place(out: np.ndarray, chunk: Chunk, data: TensorData, entry: Entry, source
     view = strided_view(data, source)
     if chunk.flat:
         if view.size != chunk.numel:
-            raise CorruptRecordError(
+            raise MismatchError(
                 f"{source}: {entry.key!r} flat chunk holds {view.size} elements, expected {chunk.numel}"
             )
         start = chunk.offsets[0]
         out.reshape(-1)[start : start + chunk.numel] = view.reshape(-1)
         return
     if view.shape != chunk.sizes:
-        raise CorruptRecordError(
+        raise MismatchError(
             f"{source}: {entry.key!r} record holds shape {list(view.shape)}, metadata says {list(chunk.sizes)}"
         )
     out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))] = view

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from .catalog import Catalog, Encoding, Entry
+from .catalog import Catalog, Entry, shared
 
 _preview_repr = reprlib.Repr()
 _preview_repr.maxstring = 60
@@ -146,7 +146,7 @@ def objects_table(catalog: Catalog, values: list[Any] | None) -> pd.DataFrame:
                     entry.key,
                     entry.group,
                     record.file,
-                    record.length if record.encoding is not Encoding.PICKLE_LEAF else None,
+                    record.length if not shared(record) else None,
                     chunk.rank,
                     _type_name(value) if values is not None else None,
                     preview(value) if values is not None else None,

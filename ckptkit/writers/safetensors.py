@@ -60,6 +60,7 @@ def write(
         for chunk in produce(item):
             stream.write(chunk)
             written += len(chunk)
+            del chunk  # else the last piece stays alive while produce() builds the next tensor
         if written != item.nbytes:
             raise FormatError(f"{item.name!r}: {written} bytes produced, {item.nbytes} expected")
         total += written
