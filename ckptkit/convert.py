@@ -18,6 +18,7 @@ from .catalog import Chunk, Entry
 from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
 from .errors import FormatError, UnsafePickleError
+from .progress import ByteProgress
 from .reading import Reader
 from .records import TorchArchive, undo_transform
 from .state_dict import nest
@@ -114,7 +115,7 @@ def unshard(
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([name for plan in plans for name in plan.names])
-        with _progress(total, progress) as bar:
+        with ByteProgress(total, progress, "unshard") as bar:
             copier = _Copier(ckpt.reader, cast, bar)
             for plan in plans:
                 result.files.extend(plan.write(output, ckpt, copier))
@@ -167,7 +168,10 @@ def convert(
 
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
-        with _progress(total, progress) as bar, output.open(dcp_writer.DATA_FILE) as stream:
+        with (
+            ByteProgress(total, progress, "unshard") as bar,
+            output.open(dcp_writer.DATA_FILE) as stream,
+        ):
             copier = _Copier(reader, None, bar)
             records = dcp_writer.write_records(
                 stream,
@@ -410,25 +414,3 @@ def parse_size(value: int | str) -> int:
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0]) if unit else 0
     return int(number * base**power)
-
-
-class _progress:
-    """A tqdm bar over bytes, or a do-nothing stand-in when ``enabled`` is false."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="unshard")
-
-    def __enter__(self) -> _progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)

@@ -21,6 +21,7 @@ from .catalog import Entry
 from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
 from .errors import CorruptRecordError, KeyNotFoundError
+from .progress import ByteProgress
 from .reading import Reader
 from .unpickler import Opaque, TensorRef
 
@@ -108,7 +109,7 @@ def diff(
         if _both(ea, eb) and ea.kind == eb.kind == "tensor"
     )
     rows = []
-    with _Progress(total, progress) as bar:
+    with ByteProgress(total, progress, "diff") as bar:
         for _, ea, eb in pairs:
             row = _row(ea, eb)
             if ea is None:
@@ -510,25 +511,3 @@ def _torch_uint8():
 
 
 # -- progress -----------------------------------------------------------------------------
-
-
-class _Progress:
-    """A tqdm bar over compared bytes, or a do-nothing stand-in."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="diff")
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def update(self, n: int) -> None:
-        if self.bar is not None:
-            self.bar.update(n)

@@ -1,0 +1,25 @@
+"""Progress over bytes for long operations: a ``tqdm.auto`` bar, or nothing when disabled."""
+
+from __future__ import annotations
+
+
+class ByteProgress:
+    """A tqdm bar counting bytes (``desc`` names the operation), or a do-nothing stand-in."""
+
+    def __init__(self, total: int, enabled: bool, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+
+    def __enter__(self) -> ByteProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
