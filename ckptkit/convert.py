@@ -169,7 +169,7 @@ def convert(
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
         with (
-            ByteProgress(total, progress, "unshard") as bar,
+            ByteProgress(total, progress, "convert") as bar,
             output.open(dcp_writer.DATA_FILE) as stream,
         ):
             copier = _Copier(reader, None, bar)
