@@ -492,22 +492,18 @@ def same_value(x: Any, y: Any) -> bool:
     if isinstance(x, np.ndarray):
         return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
     if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+        import torch  # already imported: x is a tensor
+
         return (
             x.dtype == y.dtype
             and x.shape == y.shape
-            and x.contiguous().view(-1).view(_torch_uint8()).numpy().tobytes()
-            == y.contiguous().view(-1).view(_torch_uint8()).numpy().tobytes()
+            and x.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            == y.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
         )
     try:
         return bool(x == y)
     except (TypeError, ValueError):
         return x is y
-
-
-def _torch_uint8():
-    import torch
-
-    return torch.uint8
 
 
 # -- progress -----------------------------------------------------------------------------
