@@ -87,6 +87,7 @@ def end_record(tail: bytes, start: int, source: str) -> tuple[int, int, int]:
 
 def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, int, int, int]]:
     """``(name, local header offset, size, crc32)`` of each member; stored members only."""
+    buf = bytes(buf)  # a large directory may arrive as a memory-mapped view
     members = []
     pos = 0
     try:
@@ -327,7 +328,7 @@ def safetensors_header_length(prefix: bytes, source: str) -> int:
 def parse_safetensors_header(raw: bytes, source: str) -> SafetensorsHeader:
     """Parse the JSON header (the bytes after the 8-byte length)."""
     try:
-        header = json.loads(raw)
+        header = json.loads(bytes(raw))
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, …
         raise CorruptRecordError(f"{source}: safetensors header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
