@@ -7,6 +7,7 @@ reading, unsharding, diffing) consumes one and never needs to know the on-disk f
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,25 @@ class Record:
     stride: tuple[int, ...] | None = None  # RAW: element strides, None = row-major
     storage_offset: int = 0  # RAW: elements to skip before the first one
     crc32: int | None = None  # CRC-32 of exactly these bytes when the format stores one
+
+
+def pickle_leaf(
+    file: str,
+    offset: int,
+    length: int,
+    path: Sequence[str | int],
+    *,
+    encoding: Encoding = Encoding.PICKLE_LEAF,
+    crc32: int | None = None,
+) -> Record:
+    """A record for the value at ``path`` inside the pickle these bytes hold (``PICKLE_LEAF``:
+    a torch.save ``data.pkl``; ``PICKLE_BYTES``: a bare pickle)."""
+    return Record(file, offset, length, encoding, name=json.dumps(list(path)), crc32=crc32)
+
+
+def leaf_path(record: Record) -> list[str | int]:
+    """The path inside the pickle that :func:`pickle_leaf` stored (empty: the whole value)."""
+    return json.loads(record.name) if record.name is not None else []
 
 
 def shared(record: Record) -> bool:

@@ -6,7 +6,6 @@ imported only to hand back a ``torch.Tensor``), a bounded batch of records at a 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .catalog import Chunk, Encoding, Entry, Record
+from .catalog import Chunk, Encoding, Entry, Record, leaf_path
 from .errors import (
     CorruptRecordError,
     CoverageError,
@@ -260,12 +259,12 @@ class Reader:
                 weights_only=False,
                 map_location="cpu",
             )
-            return _walk(whole, json.loads(record.name), source)
+            return _walk(whole, leaf_path(record), source)
         if record.encoding is Encoding.PICKLE_BYTES:
             (blob,) = self.read_ranges(
                 [(record.file, record.offset, record.offset + record.length)], entry.key
             )
-            path = json.loads(record.name) if record.name is not None else []
+            path = leaf_path(record)
             return _walk(pickle.loads(blob), path, source)
         raise FormatError(f"{source}: no trusted loader for {record.encoding.value} records")
 
@@ -278,7 +277,7 @@ class Reader:
             pickles[(record.file, record.offset)] = safe_loads(
                 blob, allow=self.object_globals, source=source, unknown="opaque"
             )
-        value = _walk(pickles[(record.file, record.offset)], json.loads(record.name), source)
+        value = _walk(pickles[(record.file, record.offset)], leaf_path(record), source)
         if tensors == "torch":
             value = _materialize(value, lambda ref: self._pickled_tensor(record.file, ref, source))
         return value
@@ -301,7 +300,7 @@ def _pickle_bytes(record: Record, blob: bytes, pickles: dict, source: str) -> An
     cache = (record.file, record.offset, record.length)
     if cache not in pickles:
         pickles[cache] = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
-    path = json.loads(record.name) if record.name is not None else []
+    path = leaf_path(record)
     return _walk(pickles[cache], path, source)
 
 

@@ -43,7 +43,6 @@ state class.
 
 from __future__ import annotations
 
-import json
 import math
 import posixpath
 import re
@@ -52,7 +51,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, Chunk, Entry, pickle_leaf
 from ..dtypes import DType
 from ..errors import CoverageError, FormatError, MissingFileError, UnsafePickleError
 from ..storage import Storage
@@ -494,13 +493,7 @@ class _Builder:
                 chunk = Chunk((0,) * len(leaf.shape), leaf.shape, record, rank)
                 self._add(key, path, "tensor", leaf.dtype, leaf.shape, [chunk], pickled)
             else:
-                record = Record(
-                    pickled.file,
-                    pickled.offset,
-                    pickled.length,
-                    Encoding.PICKLE_LEAF,
-                    name=json.dumps(list(inner)),
-                )
+                record = pickle_leaf(pickled.file, pickled.offset, pickled.length, inner)
                 self._add(key, path, "object", None, None, [Chunk((), (), record, rank)], pickled)
 
     def _add(self, key, path, kind, dtype, shape, chunks, pickled, expected=None) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dtypes
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..records import SafetensorsHeader
 from ..storage import Storage
@@ -255,12 +255,8 @@ def _optim_entries(
             if inner[0] == "_param_names":  # OLMo-core's own bookkeeping, dropped on unshard
                 continue
             record = chunk.record
-            leaf = Record(
-                record.file,
-                record.offset,
-                record.length,
-                Encoding.PICKLE_BYTES,
-                name=json.dumps(list(inner)),
+            leaf = pickle_leaf(
+                record.file, record.offset, record.length, inner, encoding=Encoding.PICKLE_BYTES
             )
             path = ("optim", "param_groups", index, *inner)
             key = ".".join(map(str, path))

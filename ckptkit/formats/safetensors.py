@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
 from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
 from ..records import SafetensorsHeader, parse_safetensors_header, safetensors_header_length
 from ..storage import Storage
@@ -258,12 +258,8 @@ def _pickled_entries(storage: Storage, pending: list[tuple[tuple, Record]]) -> d
         source = f"{storage.describe(record.file)} @{record.offset}"
         value = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
         for inner, _ in torch_save.leaves(value):
-            leaf = Record(
-                record.file,
-                record.offset,
-                record.length,
-                Encoding.PICKLE_BYTES,
-                name=json.dumps(list(inner)),
+            leaf = pickle_leaf(
+                record.file, record.offset, record.length, inner, encoding=Encoding.PICKLE_BYTES
             )
             full = (*path, *inner)
             key = ".".join(map(str, full))

@@ -7,14 +7,13 @@ every other leaf becomes an object entry read back from the same ``data.pkl`` (P
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..records import Member, ZipIndex, read_zip_indexes
 from ..storage import Storage
@@ -179,14 +178,8 @@ def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) 
         if isinstance(leaf, TensorRef):
             yield _tensor_entry(key, path, leaf, pickled.index, pickled.source)
         else:
-            record = Record(
-                pickled.file,
-                pickled.offset,
-                pickled.length,
-                Encoding.PICKLE_LEAF,
-                name=json.dumps(list(inner)),
-                crc32=pickled.index.member("data.pkl", pickled.source).crc32,
-            )
+            crc32 = pickled.index.member("data.pkl", pickled.source).crc32
+            record = pickle_leaf(pickled.file, pickled.offset, pickled.length, inner, crc32=crc32)
             yield Entry(key, path, "object", (Chunk((), (), record),))
 
 
