@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import json
 import struct
-import sys
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.examples import _spawn
+
+from isolated import run_script
 
 DIFF = importlib.import_module("ckptkit.diff")  # the module (``ckptkit.diff`` is the function)
 
@@ -420,7 +421,6 @@ print("torch-free ok", len(frame))
 
 def test_diff_and_sizes_need_no_torch():
     """Real fixtures (torch 2.2 FSDP1 with bf16 tensors, OLMo, OLMo-core) with torch blocked."""
-    import subprocess
     from pathlib import Path
 
     fixtures = Path(__file__).parent / "fixtures"
@@ -429,11 +429,4 @@ def test_diff_and_sizes_need_no_torch():
         fixtures / "olmo_torch_new_ws2" / "step3",
         fixtures / "olmo_core3_trainer_ws2" / "step3",
     ]
-    result = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch-free ok 137" in result.stdout
+    assert "torch-free ok 137" in run_script(TORCH_FREE, *paths)

@@ -18,6 +18,7 @@ import ckptkit
 from ckptkit.formats import legacy, olmo, olmo_core_v0, olmo_local
 from ckptkit.unpickler import is_opaque
 
+from isolated import run_script
 from oracle import assert_bit_equal, assert_matches_sha256, raw_bytes
 from writers import write_fsdp1_rank_files, write_fsdp2_rank_files
 
@@ -455,15 +456,5 @@ print("torch-free ok")
 
 
 def test_rank_files_and_step_directories_open_without_torch():
-    import subprocess
-    import sys
-
     paths = [LEGACY / "step3", TORCH_NEW / "step3", OLMO_CORE / "step3"]
-    result = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch-free ok" in result.stdout
+    assert "torch-free ok" in run_script(TORCH_FREE, *paths)

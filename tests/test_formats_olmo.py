@@ -11,8 +11,6 @@ import pathlib
 import pickle
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from ckptkit.errors import FormatError, MissingFileError
 from ckptkit.formats import olmo_local
 from ckptkit.storage import Storage
 
+from isolated import run_script
 from oracle import assert_bit_equal, assert_matches_sha256, raw_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -485,14 +484,7 @@ def test_inspection_needs_no_torch():
     from test_torch_free import SCRIPT
 
     paths = [LOCAL / "step3", CORE / "step3", UNSHARDED / "step3-unsharded-safetensors"]
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch-free ok" in result.stdout
+    assert "torch-free ok" in run_script(SCRIPT, *paths)
 
 
 def test_fixture_sizes_stay_small():

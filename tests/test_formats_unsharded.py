@@ -8,8 +8,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from ckptkit.catalog import Encoding
 from ckptkit.state_dict import load_state_dict
 from ckptkit.unpickler import is_opaque
 
+from isolated import run_script
 from oracle import assert_bit_equal
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -436,11 +435,4 @@ def test_unsharded_without_torch(tmp_path):
     torch.save(_state_dict()["model"], tmp_path / "dir" / "model.pt")
     torch.save({"step": 3}, tmp_path / "dir" / "train.pt")
     paths = [tmp_path / "ckpt.pt", tmp_path / "weights.safetensors", tmp_path / "dir"]
-    result = subprocess.run(
-        [sys.executable, "-c", TORCH_FREE, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch-free ok" in result.stdout
+    assert "torch-free ok" in run_script(TORCH_FREE, *paths)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
+
+from isolated import run_script
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -39,11 +39,4 @@ def test_open_and_tables_without_torch():
         FIXTURES / "olmo_torch_new_ws2" / "step3",
         FIXTURES / "olmo_core3_trainer_ws2" / "step3",
     ]
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert "torch-free ok" in result.stdout
+    assert "torch-free ok" in run_script(SCRIPT, *paths)
