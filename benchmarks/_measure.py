@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -180,6 +181,30 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON, creating the parent directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def cached_input(directory: Path, params: dict[str, Any], generate: str, what: str) -> Path:
+    """``directory``, generated once by a child process running ``generate`` (Python code that
+    fills the directory named by the variable ``out``, with ``benchmarks/`` importable), and
+    again only when ``params`` change. Built under a temporary name and renamed, so an
+    interrupted run never leaves a half-written input behind."""
+    stamp = directory / "params.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == params:
+        return directory
+    tmp = directory.with_name(directory.name + ".tmp")
+    for stale in (directory, tmp):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    progress(f"generating {directory.name}: {what} (once; cached)")
+    start = time.perf_counter()
+    prelude = (
+        f"from pathlib import Path\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+    )
+    run(python_argv(prelude + f"out = Path({str(tmp)!r})\n" + textwrap.dedent(generate)))
+    (tmp / "params.json").write_text(json.dumps(params))
+    os.replace(tmp, directory)
+    progress(f"generated in {time.perf_counter() - start:.1f} s")
+    return directory
 
 
 def progress(message: str) -> None:

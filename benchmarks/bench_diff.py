@@ -15,11 +15,8 @@ Usage: ``python benchmarks/bench_diff.py [--repeat N]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
+    cached_input,
     environment,
     load_line,
     markdown_table,
@@ -110,8 +108,7 @@ def write_changed_copy(path: Path) -> None:
 
 
 def ensure_inputs() -> tuple[Path, Path]:
-    """The cached DCP directory and safetensors directory, generated in child processes."""
-    root = OUT_DIR / f"diff_{N_TENSORS}x{SHAPE[0]}x{SHAPE[1]}"
+    """The cached DCP directory and safetensors directory, generated in a child process."""
     params = {
         "tensors": N_TENSORS,
         "shape": list(SHAPE),
@@ -120,42 +117,20 @@ def ensure_inputs() -> tuple[Path, Path]:
         "world_size": WORLD_SIZE,
         "generator": GENERATOR_VERSION,
     }
-    stamp = root / "params.json"
-    dcp_dir, st_dir = root / "dcp", root / "safetensors"
-    if stamp.exists() and json.loads(stamp.read_text()) == params:
-        return dcp_dir, st_dir
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    progress(f"writing inputs to {root} ({TOTAL_MIB:.0f} MiB each)")
-    start = time.perf_counter()
-    bench = str(Path(__file__).resolve().parent)
-    run(
-        python_argv(
-            f"""
-            sys.path.insert(0, {bench!r})
-            from ckptkit.examples import _spawn
-            from bench_diff import _save_rank
-            _spawn(_save_rank, {WORLD_SIZE}, {str(dcp_dir)!r})
-            """
-        )
+    generate = f"""
+        from ckptkit.examples import _spawn
+        from bench_diff import _save_rank, write_changed_copy
+        _spawn(_save_rank, {WORLD_SIZE}, str(out / "dcp"))
+        (out / "safetensors").mkdir()
+        write_changed_copy(out / "safetensors")
+        """
+    root = cached_input(
+        OUT_DIR / f"diff_{N_TENSORS}x{SHAPE[0]}x{SHAPE[1]}",
+        params,
+        generate,
+        f"{TOTAL_MIB:.0f} MiB DCP + a changed safetensors copy",
     )
-    st_dir.mkdir()
-    run(
-        python_argv(
-            f"""
-            sys.path.insert(0, {bench!r})
-            from pathlib import Path
-            from bench_diff import write_changed_copy
-            write_changed_copy(Path({str(st_dir)!r}))
-            """
-        )
-    )
-    stamp.write_text(json.dumps(params))
-    progress(f"inputs written in {time.perf_counter() - start:.1f} s")
-    return dcp_dir, st_dir
-
-
-# -- measured children -----------------------------------------------------------------------
+    return root / "dcp", root / "safetensors"
 
 
 def jobs(dcp_dir: Path, st_dir: Path) -> dict[str, Any]:

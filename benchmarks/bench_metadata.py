@@ -9,12 +9,9 @@ with torch made unimportable. Usage: ``python benchmarks/bench_metadata.py [--re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
+    cached_input,
     environment,
     load_line,
     markdown_table,
@@ -117,32 +115,15 @@ def write_synthetic_metadata(directory: Path, n_keys: int, n_ranks: int) -> None
 
 def ensure_metadata(n_keys: int, n_ranks: int) -> Path:
     """The cached synthetic checkpoint directory, generated in a child process if missing."""
-    directory = OUT_DIR / f"metadata_{n_keys}x{n_ranks}"
     params = {"n_keys": n_keys, "n_ranks": n_ranks, "shape": list(SHAPE)}
     params["generator"] = GENERATOR_VERSION
-    stamp = directory / "params.json"
-    if (
-        (directory / ".metadata").exists()
-        and stamp.exists()
-        and json.loads(stamp.read_text()) == params
-    ):
-        return directory
-    shutil.rmtree(directory, ignore_errors=True)
-    progress(f"generating {directory} with torch's classes (once; cached)")
-    start = time.perf_counter()
-    run(
-        python_argv(
-            f"""
-            sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-            from pathlib import Path
-            from bench_metadata import write_synthetic_metadata
-            write_synthetic_metadata(Path({str(directory)!r}), {n_keys}, {n_ranks})
-            """
-        )
+    return cached_input(
+        OUT_DIR / f"metadata_{n_keys}x{n_ranks}",
+        params,
+        f"from bench_metadata import write_synthetic_metadata\n"
+        f"write_synthetic_metadata(out, {n_keys}, {n_ranks})",
+        "a .metadata pickled with torch's own classes",
     )
-    stamp.write_text(json.dumps(params))
-    progress(f"generated in {time.perf_counter() - start:.1f} s")
-    return directory
 
 
 def jobs(directory: Path) -> dict[str, Any]:

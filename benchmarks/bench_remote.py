@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -44,6 +43,7 @@ S3_ENV = {
 from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
+    cached_input,
     child_env,
     environment,
     load_line,
@@ -107,30 +107,12 @@ def write_source(path: Path) -> None:
 def ensure_source() -> Path:
     """The cached checkpoint, generated in a child process if missing or stale."""
     params = {"layers": N_LAYERS, "shape": list(SHAPE), "ranks": WORLD_SIZE, "v": GENERATOR_VERSION}
-    stamp = SOURCE / "params.json"
-    if (
-        (SOURCE / ".metadata").exists()
-        and stamp.exists()
-        and json.loads(stamp.read_text()) == params
-    ):
-        return SOURCE
-    shutil.rmtree(SOURCE, ignore_errors=True)
-    tmp = SOURCE.with_name(SOURCE.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    progress(f"generating {SOURCE.name} with dcp.save from {WORLD_SIZE} ranks (once; cached)")
-    run(
-        python_argv(
-            f"""
-            sys.path.insert(0, {str(HERE)!r})
-            from pathlib import Path
-            from bench_remote import write_source
-            write_source(Path({str(tmp)!r}))
-            """
-        )
+    return cached_input(
+        SOURCE,
+        params,
+        "from bench_remote import write_source\nwrite_source(out)",
+        f"dcp.save from {WORLD_SIZE} ranks",
     )
-    (tmp / "params.json").write_text(json.dumps(params))
-    os.replace(tmp, SOURCE)
-    return SOURCE
 
 
 def needed_bytes(source: Path) -> dict[str, int]:

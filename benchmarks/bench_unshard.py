@@ -12,7 +12,6 @@ Usage: ``python benchmarks/bench_unshard.py [--repeat N] [--layouts rows cols]``
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
+    cached_input,
     environment,
     load_line,
     markdown_table,
@@ -105,7 +105,6 @@ def write_source(path: Path, shard_dim: int) -> None:
 
 def ensure_source(layout: str) -> Path:
     """The cached checkpoint for ``layout``, generated in a child process if missing."""
-    directory = OUT_DIR / f"unshard_{layout}_{N_TENSORS}x{SHAPE[0]}x{SHAPE[1]}"
     params = {
         "tensors": N_TENSORS,
         "shape": list(SHAPE),
@@ -113,32 +112,12 @@ def ensure_source(layout: str) -> Path:
         "world_size": WORLD_SIZE,
         "generator": GENERATOR_VERSION,
     }
-    stamp = directory / "params.json"
-    if (
-        (directory / ".metadata").exists()
-        and stamp.exists()
-        and json.loads(stamp.read_text()) == params
-    ):
-        return directory
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    progress(f"generating {directory.name} with dcp.save from {WORLD_SIZE} ranks (once; cached)")
-    start = time.perf_counter()
-    run(
-        python_argv(
-            f"""
-            sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-            from pathlib import Path
-            from bench_unshard import write_source
-            write_source(Path({str(tmp)!r}), {LAYOUTS[layout]})
-            """
-        )
+    return cached_input(
+        OUT_DIR / f"unshard_{layout}_{N_TENSORS}x{SHAPE[0]}x{SHAPE[1]}",
+        params,
+        f"from bench_unshard import write_source\nwrite_source(out, {LAYOUTS[layout]})",
+        f"dcp.save from {WORLD_SIZE} ranks",
     )
-    (tmp / "params.json").write_text(json.dumps(params))
-    os.replace(tmp, directory)
-    progress(f"generated in {time.perf_counter() - start:.1f} s")
-    return directory
 
 
 def source_mib(directory: Path) -> float:
