@@ -62,6 +62,36 @@ class CoverageError(FormatError):
     """A tensor's chunks overlap or leave holes, or a set of rank files is incomplete."""
 
 
-class LimitExceededError(UnsafePickleError):
+class LimitExceededError(CheckpointError):
+    """A number read from a checkpoint (a count, rank, length, size, nesting depth, decompressed
+    size…) is beyond what the files on hand can hold or a documented limit allows: refused before
+    anything was allocated or looped over. The limits live in :mod:`ckptkit.limits` and
+    :mod:`ckptkit.pickle_limits`."""
+
+
+class PickleLimitError(LimitExceededError, UnsafePickleError):
     """A pickle exceeds a resource limit (size, memo, nesting, container size): refused before
     it could allocate or recurse. The limits are in :mod:`ckptkit.pickle_limits`."""
+
+
+class UnsafePathError(FormatError):
+    """A file a checkpoint refers to lies outside the checkpoint (an absolute path, ``..``,
+    another bucket, a symlink leaving the folder) or is not a regular file (FIFO, device)."""
+
+
+class OutputNameError(FormatError):
+    """A name from the checkpoint cannot become an output name, or two entries would be written
+    under the same name (after encoding, as safetensors keys, or a tensor and a sub-tree)."""
+
+
+class OutputExistsError(CheckpointError, FileExistsError):
+    """An output file already exists and ``overwrite`` was not given."""
+
+
+class DestinationError(StorageError):
+    """Writing the output failed: the disk is full, the destination is read-only, a name is too
+    long for the file system, or another write error (nothing was left under a final name)."""
+
+
+class UsageError(CheckpointError, ValueError):
+    """The call's arguments are wrong (an unknown target, size, dtype or option value)."""

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptRecordError, LimitExceededError
+from .errors import CorruptRecordError, PickleLimitError
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps for one kind of pickle. Exceeding one raises :class:`LimitExceededError`."""
+    """Caps for one kind of pickle. Exceeding one raises :class:`PickleLimitError`."""
 
     #: Input bytes.
     max_bytes: int
@@ -121,8 +121,8 @@ def nesting_bound(data: bytes | memoryview) -> int:
     return sum(raw.count(bytes([op])) for op in NESTING_OPCODES)
 
 
-def _refuse(source: str, what: str) -> LimitExceededError:
-    return LimitExceededError(f"{source}: pickle refused, over a limit: {what}")
+def _refuse(source: str, what: str) -> PickleLimitError:
+    return PickleLimitError(f"{source}: pickle refused, over a limit: {what}")
 
 
 class _Parser:
@@ -460,7 +460,7 @@ def run_with_stack(levels: int, fn: Callable[[], Any]) -> Any:
         return fn()
     size = _BASE_STACK + levels * _STACK_PER_LEVEL
     if size > _MAX_STACK:
-        raise LimitExceededError(
+        raise PickleLimitError(
             f"pickle has {levels} nesting opcodes: too many to load with a bounded stack"
         )
     outcome: list[Any] = [None, None]
@@ -559,7 +559,7 @@ def _children(
     if isinstance(obj, np.ndarray | np.dtype):
         dt = obj.dtype if isinstance(obj, np.ndarray) else obj
         if dt.hasobject:
-            raise LimitExceededError(f"{source}: numpy object arrays are not allowed")
+            raise PickleLimitError(f"{source}: numpy object arrays are not allowed")
         return []
     if isinstance(obj, dict):
         items = [*obj.keys(), *obj.values()]

@@ -195,7 +195,8 @@ def test_limit_errors_are_unsafe_pickle_errors():
     data = _hostile_pickles()["LONG_BINPUT huge index"]
     with pytest.raises(ckptkit.LimitExceededError, match="memo index 500000000"):
         safe_loads(data, allow=OBJECT_GLOBALS, source="x")
-    assert issubclass(ckptkit.LimitExceededError, ckptkit.UnsafePickleError)
+    assert issubclass(ckptkit.PickleLimitError, ckptkit.LimitExceededError)
+    assert issubclass(ckptkit.PickleLimitError, ckptkit.UnsafePickleError)
 
 
 def test_large_pickles_with_deep_tuples_load_on_a_big_stack():
