@@ -13,14 +13,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from . import dtypes
+from . import dtypes, output_names
 from .catalog import Chunk, Entry
 from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
-from .errors import FormatError, UnsafePickleError
+from .errors import FormatError, UnsafePickleError, UsageError
 from .progress import ByteProgress
 from .reading import Reader
-from .records import TorchArchive, undo_transform
+from .records import TorchArchive, tensor_archive_limit, undo_transform
 from .state_dict import nest
 from .storage import Storage, atomic_output
 from .unpickler import Opaque
@@ -95,7 +95,7 @@ def unshard(
     final name unless everything succeeded, and existing files are kept unless ``overwrite``.
     """
     if to not in ("torch", "safetensors"):
-        raise ValueError(f"to must be 'torch' or 'safetensors', not {to!r}")
+        raise UsageError(f"to must be 'torch' or 'safetensors', not {to!r}")
     ckpt = open_source(src, storage_options)
     cast = dtypes.dtype(dtype) if dtype is not None else None
     entries = ckpt.catalog.select(keys, groups)
@@ -111,6 +111,7 @@ def unshard(
         _plan_torch(group, items) if to == "torch" else _plan_safetensors(group, items, limit, cast)
         for group, items in by_group.items()
     ]
+    output_names.check_distinct_files({plan.group: plan.names for plan in plans})
     result = UnshardResult(destination.describe())
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
     with atomic_output(destination, overwrite=overwrite) as output:
@@ -152,7 +153,7 @@ def convert(
             progress=progress,
         )
     if to != "dcp":
-        raise ValueError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
+        raise UsageError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
     ckpt = open_source(src, storage_options)
     entries = ckpt.catalog.select(keys, groups)
     if not entries:
@@ -217,7 +218,9 @@ class _Copier:
         )
         if self.reader.verify_crc:
             source = f"{self.reader.storage.describe(record.file)} @{record.offset} ({entry.key})"
-            TorchArchive(undo_transform(data, record.transform, source), source).check_crc()
+            limit = tensor_archive_limit(chunk.numel * entry.dtype.itemsize)
+            raw = undo_transform(data, record.transform, source, limit=limit)
+            TorchArchive(raw, source).check_crc()
         self.bar.update(chunk.numel * entry.dtype.itemsize)
         return data
 
@@ -251,6 +254,7 @@ def _cast(piece: memoryview, source: DType, target: DType) -> memoryview:
 
 
 class _Plan:
+    group: str
     names: list[str]
 
     def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
@@ -265,14 +269,17 @@ class _TorchPlan(_Plan):
 
     @property
     def names(self) -> list[str]:
-        return [self.name or f"{self.group}.pt"]
+        return [self.name or f"{output_names.encode_stem(self.group)}.pt"]
 
     def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
         name = self.names[0]
         structure, streamed = _structure(self.entries, ckpt, copier.cast)
         with output.open(name) as stream:
             torch_save.write(
-                stream, structure, lambda slot: copier(streamed[id(slot)]), archive_name=self.group
+                stream,
+                structure,
+                lambda slot: copier(streamed[id(slot)]),
+                archive_name=output_names.encode_stem(self.group),
             )
             size = stream.tell()
         objects = sum(e.kind == "object" for e in self.entries)
@@ -280,7 +287,9 @@ class _TorchPlan(_Plan):
 
 
 def _plan_torch(group: str, entries: list[Entry]) -> _TorchPlan:
-    return _TorchPlan(group, entries)
+    plan = _TorchPlan(group, entries)
+    _structure_paths(entries)  # clashing paths refused before anything is read or written
+    return plan
 
 
 def _structure(
@@ -299,11 +308,21 @@ def _structure(
         else:
             value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
             streamed[id(value)] = entry
-        items.append((entry.path[1:] if len(entry.path) > 1 else entry.path, value))
+        items.append((_inner_path(entry), value))
     nested = nest(items)
     if len(entries) == 1 and len(entries[0].path) == 1:  # a group that is itself a leaf
         nested = next(iter(nested.values()))
     return nested, streamed
+
+
+def _inner_path(entry: Entry) -> tuple:
+    """The entry's path inside its group's file (a group that is itself a leaf: its own)."""
+    return entry.path[1:] if len(entry.path) > 1 else entry.path
+
+
+def _structure_paths(entries: list[Entry]) -> None:
+    """Check that the group's paths nest without clashes (see :func:`state_dict.nest`)."""
+    nest((_inner_path(e), None) for e in entries)
 
 
 def _refuse_opaque(value: Any, key: str) -> None:
@@ -330,19 +349,23 @@ class _SafetensorsPlan(_Plan):
     objects: list[Entry]
 
     @property
+    def stem(self) -> str:
+        return output_names.encode_stem(self.group)
+
+    @property
     def tensor_names(self) -> list[str]:
         n = len(self.shards)
         if n == 1:
-            return [f"{self.group}.safetensors"]
-        return [f"{self.group}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+            return [f"{self.stem}.safetensors"]
+        return [f"{self.stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     @property
     def names(self) -> list[str]:
         names = self.tensor_names if self.shards[0] else []
         if len(self.shards) > 1:
-            names.append(f"{self.group}.safetensors.index.json")
+            names.append(f"{self.stem}.safetensors.index.json")
         if self.objects:
-            names.append(f"{self.group}.objects.pt")
+            names.append(f"{self.stem}.objects.pt")
         return names
 
     def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
@@ -369,13 +392,13 @@ class _SafetensorsPlan(_Plan):
                     for item, _ in shard
                 },
             }
-            name = f"{self.group}.safetensors.index.json"
+            name = f"{self.stem}.safetensors.index.json"
             data = json.dumps(index, indent=2).encode()
             with output.open(name) as stream:
                 stream.write(data)
             written.append(WrittenFile(name, len(data), 0, 0))
         if self.objects:
-            side = _TorchPlan(self.group, self.objects, f"{self.group}.objects.pt")
+            side = _TorchPlan(self.group, self.objects, f"{self.stem}.objects.pt")
             written.extend(side.write(output, ckpt, copier))
         return written
 
@@ -385,19 +408,20 @@ def _plan_safetensors(
 ) -> _SafetensorsPlan:
     shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]] = [[]]
     size = 0
-    for entry in entries:
-        if entry.kind != "tensor":
-            continue
-        path = entry.path[1:] if len(entry.path) > 1 else entry.path
+    tensors = [e for e in entries if e.kind == "tensor"]
+    names = output_names.safetensors_names({e.key: _inner_path(e) for e in tensors})
+    objects = [e for e in entries if e.kind == "object"]
+    _structure_paths(objects)
+    for entry in tensors:
         item = safetensors_writer.SafetensorsItem(
-            ".".join(map(str, path)), _out_dtype(entry.dtype, cast), entry.shape
+            names[entry.key], _out_dtype(entry.dtype, cast), entry.shape
         )
         if limit is not None and shards[-1] and size + item.nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append((item, entry))
         size += item.nbytes
-    return _SafetensorsPlan(group, shards, [e for e in entries if e.kind == "object"])
+    return _SafetensorsPlan(group, shards, objects)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -409,7 +433,7 @@ def parse_size(value: int | str) -> int:
         return value
     match = _SIZE.match(value)
     if not match:
-        raise ValueError(f"cannot read size {value!r} (try 5GB, 500MB, 2GiB)")
+        raise UsageError(f"cannot read size {value!r} (try 5GB, 500MB, 2GiB)")
     number, unit = float(match.group(1)), match.group(2).upper()
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0]) if unit else 0

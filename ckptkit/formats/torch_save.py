@@ -15,6 +15,7 @@ from typing import Any
 
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
 from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..output_names import decode_stem
 from ..records import Member, ZipIndex, read_zip_indexes
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
@@ -32,9 +33,10 @@ _GROUP = re.compile(r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pt|pth|bin|safete
 
 
 def group_of(name: str) -> str:
-    """The group a file in a directory holds: its name without suffix, side-file tag or shard."""
+    """The group a file in a directory holds: its name without suffix, side-file tag or shard,
+    percent-decoded as :func:`ckptkit.output_names.encode_stem` wrote it."""
     match = _GROUP.match(name)
-    return match.group(1) if match else name
+    return decode_stem(match.group(1)) if match else name
 
 
 def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
