@@ -16,12 +16,13 @@ from . import dtypes
 from .catalog import Chunk, Encoding, Entry, Record, leaf_path
 from .errors import (
     CorruptRecordError,
-    CoverageError,
     FormatError,
+    LimitExceededError,
     MismatchError,
     MissingFileError,
     TruncatedFileError,
 )
+from .pickle_limits import OBJECT_LIMITS
 from .records import (
     SafetensorsHeader,
     TensorData,
@@ -32,11 +33,14 @@ from .records import (
     parse_safetensors_header,
     read_zip_indexes,
     safetensors_header_length,
+    tensor_archive_limit,
     undo_transform,
 )
 from .storage import Storage
 from .unpickler import OBJECT_GLOBALS, Opaque, TensorRef, safe_loads
 
+#: ``read_object(trust=True)`` loads a whole torch.save file: bounded by its real size only.
+TRUSTED_FILE_LIMIT = 1 << 62
 #: Records fetched together for one tensor, at most (bytes); bounds memory while assembling.
 BATCH_BYTES = 64 << 20
 
@@ -64,8 +68,15 @@ class Reader:
         """The whole tensor as a numpy array (bfloat16/fp8 as same-sized unsigned ints)."""
         if entry.kind != "tensor" or entry.dtype is None or entry.shape is None:
             raise FormatError(f"{entry.key!r} is not a tensor")
-        out = np.empty(entry.shape, dtype=dtypes.to_numpy(entry.dtype))
         chunks = _distinct_chunks(entry)
+        _check_record_lengths(entry, chunks)
+        try:
+            out = np.empty(entry.shape, dtype=dtypes.to_numpy(entry.dtype))
+        except (MemoryError, ValueError) as exc:  # the shape comes from the checkpoint
+            raise LimitExceededError(
+                f"{entry.key!r}: {entry.nbytes} bytes of {entry.dtype.name}{list(entry.shape)} "
+                f"cannot be allocated ({type(exc).__name__})"
+            ) from exc
         for batch in _batches([c for c in chunks if c.record is not None]):
             for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
                 _place(out, chunk, data, entry, self.storage.describe(chunk.record.file))
@@ -121,7 +132,12 @@ class Reader:
                 check_crc(blob, record.crc32, source)
             if record.encoding is Encoding.TORCH_SAVE:
                 data = decode_tensor_record(
-                    undo_transform(blob, record.transform, source),
+                    undo_transform(
+                        blob,
+                        record.transform,
+                        source,
+                        limit=tensor_archive_limit(chunk.numel * entry.dtype.itemsize),
+                    ),
                     source,
                     verify_crc=self.verify_crc,
                 )
@@ -224,9 +240,8 @@ class Reader:
             if record.encoding is Encoding.PICKLE_BYTES:
                 values.append(_pickle_bytes(record, blob, pickles, source))
                 continue
-            value, archive = decode_object_record(
-                undo_transform(blob, record.transform, source), source, verify_crc=self.verify_crc
-            )
+            raw = undo_transform(blob, record.transform, source, limit=OBJECT_LIMITS.max_bytes)
+            value, archive = decode_object_record(raw, source, verify_crc=self.verify_crc)
             if tensors == "torch":
                 value = _materialize(
                     value, lambda ref, a=archive, s=source: _to_torch(a.tensor(ref), s)
@@ -251,11 +266,11 @@ class Reader:
             (blob,) = self.read_ranges(
                 [(record.file, record.offset, record.offset + record.length)], entry.key
             )
-            raw = undo_transform(blob, record.transform, source)
+            raw = undo_transform(blob, record.transform, source, limit=OBJECT_LIMITS.max_bytes)
             return torch.load(io.BytesIO(raw), weights_only=False, map_location="cpu")
         if record.encoding is Encoding.PICKLE_LEAF:
             whole = torch.load(
-                io.BytesIO(self.storage.read_file(record.file)),
+                io.BytesIO(self.storage.read_file(record.file, max_bytes=TRUSTED_FILE_LIMIT)),
                 weights_only=False,
                 map_location="cpu",
             )
@@ -317,55 +332,37 @@ def _distinct_chunks(entry: Entry) -> list[Chunk]:
 
 def check_coverage(entry: Entry, chunks: list[Chunk]) -> None:
     """Raise :class:`CoverageError` unless ``chunks`` (distinct boxes) tile the tensor: every
-    element in exactly one chunk, none outside it."""
-    shape = entry.shape or ()
-    boxes = [c for c in chunks if c.numel]
-    if (
-        len(boxes) == 1
-        and not boxes[0].flat
-        and boxes[0].sizes == shape
-        and not any(boxes[0].offsets)
-    ):
-        return
-    if any(c.flat for c in boxes):
-        if not all(c.flat and len(c.offsets) == 1 for c in boxes):
-            raise CoverageError(f"{entry.key!r}: flat chunks are mixed with boxes")
-        at = 0
-        for c in sorted(boxes, key=lambda c: c.offsets[0]):
-            if c.offsets[0] != at:
-                what = "overlap" if c.offsets[0] < at else "leave a hole"
-                raise CoverageError(
-                    f"{entry.key!r}: chunks {what} at flat element {min(at, c.offsets[0])}"
-                )
-            at += c.numel
-        if at != entry.numel:
-            raise CoverageError(f"{entry.key!r}: chunks cover {at} of {entry.numel} elements")
-        return
-    for c in boxes:
-        if len(c.offsets) != len(shape) or any(
-            o < 0 or o + n > dim for o, n, dim in zip(c.offsets, c.sizes, shape, strict=True)
+    element in exactly one chunk, none outside it (see :mod:`ckptkit.coverage`)."""
+    from .coverage import check_coverage as check_tiling
+
+    check_tiling(entry, chunks)
+
+
+def _check_record_lengths(entry: Entry, chunks: list[Chunk]) -> None:
+    """Refuse, before the tensor is allocated, a raw record shorter than the elements its
+    chunk's strides reach: the shape would announce bytes the files do not hold."""
+    itemsize = entry.dtype.itemsize
+    for chunk in chunks:
+        record = chunk.record
+        if (
+            record is None
+            or record.encoding is not Encoding.RAW
+            or record.transform
+            or not chunk.numel
         ):
-            raise CoverageError(
-                f"{entry.key!r}: chunk at {list(c.offsets)} of size {list(c.sizes)} lies "
-                f"outside the tensor {list(shape)}"
-            )
-    # Count, on the grid every chunk edge cuts the tensor into, how many chunks hold each cell.
-    cuts = [
-        sorted({0, dim, *(o for c in boxes for o in (c.offsets[d], c.offsets[d] + c.sizes[d]))})
-        for d, dim in enumerate(shape)
-    ]
-    cells = np.zeros([len(axis) - 1 for axis in cuts], dtype=np.int32)
-    positions = [{v: i for i, v in enumerate(axis)} for axis in cuts]
-    for c in boxes:
-        index = tuple(
-            slice(at[o], at[o + n]) for at, o, n in zip(positions, c.offsets, c.sizes, strict=True)
+            continue  # other records are checked against what they decode to
+        sizes = chunk.sizes
+        stride = record.stride or _row_major(sizes)
+        reach = (
+            record.storage_offset
+            + 1
+            + sum((n - 1) * s for n, s in zip(sizes, stride, strict=False))
         )
-        cells[index] += 1
-    if not np.all(cells == 1):
-        bad = np.argwhere(cells != 1)[0]
-        where = [cuts[d][i] for d, i in enumerate(bad)]
-        what = "overlap" if cells[tuple(bad)] > 1 else "leave a hole"
-        raise CoverageError(f"{entry.key!r}: chunks {what} at element {where}")
+        if record.length < reach * itemsize:
+            raise MismatchError(
+                f"{entry.key!r}: the chunk at {list(chunk.offsets)} reaches {reach * itemsize} "
+                f"bytes but its record in {record.file!r} is {record.length} bytes long"
+            )
 
 
 def _tiles_first_dim(entry: Entry, chunks: list[Chunk]) -> bool:

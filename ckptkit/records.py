@@ -14,7 +14,13 @@ from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .errors import ChecksumError, CorruptRecordError, FormatError, MissingFileError
+from .errors import (
+    ChecksumError,
+    CorruptRecordError,
+    FormatError,
+    LimitExceededError,
+    MissingFileError,
+)
 from .pickle_limits import RECORD_LIMITS
 from .storage import Storage
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
@@ -246,8 +252,19 @@ class TorchArchive:
         )
 
 
-def undo_transform(buf: bytes, transform: str | None, source: str) -> bytes:
-    """Bytes as written before ``transform`` (e.g. zstd) was applied."""
+#: Bytes a torch.save archive adds around a tensor's storage (zip framing, data.pkl), at most.
+ARCHIVE_SLACK = 1 << 20
+
+
+def tensor_archive_limit(nbytes: int) -> int:
+    """The most bytes a torch.save record holding a tensor chunk of ``nbytes`` may inflate to
+    (its storage may be up to twice the chunk, e.g. a view saved with its base)."""
+    return 2 * nbytes + ARCHIVE_SLACK
+
+
+def undo_transform(buf: bytes, transform: str | None, source: str, *, limit: int) -> bytes:
+    """Bytes as written before ``transform`` (e.g. zstd) was applied, at most ``limit`` of them:
+    a frame that inflates further is refused before it is held in memory."""
     if not transform:
         return buf
     if transform == "zstd":
@@ -257,9 +274,18 @@ def undo_transform(buf: bytes, transform: str | None, source: str) -> bytes:
 
         try:
             with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(buf)) as reader:
-                return reader.read()
+                out = io.BytesIO()
+                while out.tell() <= limit and (piece := reader.read(min(limit + 1, 8 << 20))):
+                    out.write(piece)
+                raw = out.getvalue()
         except zstandard.ZstdError as exc:
             raise CorruptRecordError(f"{source}: bad zstd frame: {exc}") from exc
+        if len(raw) > limit:
+            raise LimitExceededError(
+                f"{source}: a {len(buf)}-byte zstd record inflates past {limit} bytes, more than "
+                "the metadata allows for it"
+            )
+        return raw
     raise CorruptRecordError(f"{source}: unsupported record transform {transform!r}")
 
 

@@ -23,7 +23,9 @@ from .errors import (
     LimitExceededError,
     MismatchError,
     MissingFileError,
+    PickleLimitError,
     TruncatedFileError,
+    UnsafePathError,
     UnsafePickleError,
 )
 from .reading import BATCH_BYTES, Reader, check_coverage, strided_view
@@ -42,8 +44,10 @@ PROBLEMS: list[tuple[type[CheckpointError], str]] = [
     (MismatchError, "mismatch"),
     (CoverageError, "coverage"),
     (MissingFileError, "missing file"),
-    (LimitExceededError, "pickle limit"),
+    (PickleLimitError, "pickle limit"),
     (UnsafePickleError, "unsafe pickle"),
+    (UnsafePathError, "unsafe path"),
+    (LimitExceededError, "limit"),
     (CorruptRecordError, "corrupt record"),
     (FormatError, "format"),
     (CheckpointError, "error"),
@@ -125,8 +129,8 @@ def _problems(ckpt: Checkpoint, crc: bool) -> Iterator[Problem]:
         distinct = list({(c.flat, c.offsets, c.sizes): c for c in entry.chunks}.values())
         try:
             check_coverage(entry, distinct)
-        except CoverageError as exc:
-            yield Problem(None, entry.key, "coverage", str(exc))
+        except (CoverageError, LimitExceededError) as exc:
+            yield Problem(None, entry.key, problem_kind(exc), str(exc))
         readable = [c for c in distinct if c.record is not None and id(c.record) not in unreadable]
         yield from _check_tensor(reader, entry, readable)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
 from ..dtypes import DType
-from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, FormatError, MissingFileError, UnsafePathError
 from ..pickle_limits import METADATA_LIMITS
 from ..storage import Storage
 from ..unpickler import COMMON_GLOBALS, paused_gc, safe_loads
@@ -243,7 +243,7 @@ def describe(storage: Storage) -> Catalog:
 
 def _load_metadata(storage: Storage, name: str) -> _Metadata:
     source = storage.describe(name)
-    with storage.open_sequential(name) as stream:
+    with storage.open_sequential(name, max_bytes=METADATA_LIMITS.max_bytes) as stream:
         metadata = safe_loads(stream, allow=ALLOWED_GLOBALS, source=source, limits=METADATA_LIMITS)
     if not isinstance(metadata, _Metadata) or not isinstance(
         metadata.get("state_dict_metadata"), dict
@@ -321,10 +321,13 @@ class _CatalogBuilder:
                 or not isinstance(info.file, str)
                 or type(info.offset) is not int
                 or type(info.length) is not int
+                or info.offset < 0
+                or info.length < 0
             ):
                 raise FormatError(f"{source}: {fqn!r} has a malformed storage record")
             rank = ranks.get(info.file, -1)
             if rank == -1:
+                _check_file_name(self.storage, source, fqn, info.file)
                 rank = ranks[info.file] = _rank(info.file, metadata_rank)
                 self.files.setdefault(info.file, rank)
             if index.offset is None:  # an object
@@ -360,10 +363,8 @@ class _CatalogBuilder:
             chunk.record, chunk.rank = info, rank
             # SerializationFormat.SAFETENSORS: the record is the file's safetensors blob and its
             # length is the chunk's element bytes, which no torch.save zip record can be.
-            if (
-                info.transform is None
-                and info.length == math.prod(chunk.sizes) * self.kinds[fqn][1].itemsize
-            ):
+            nbytes = math.prod(chunk.sizes) * self.kinds[fqn][1].itemsize
+            if info.transform is None and info.length == nbytes:
                 info.encoding, info.name = Encoding.SAFETENSORS, fqn
 
         for fqn, chunks in tensor_chunks.items():
@@ -392,6 +393,14 @@ class _CatalogBuilder:
             kind, dtype, shape = self.kinds[fqn]
             entries[fqn] = Entry(fqn, self.paths[fqn], kind, tuple(chunks), dtype, shape)
         return Catalog(NAME, entries, list(self.files), self.info)
+
+
+def _check_file_name(storage: Storage, source: str, fqn: str, name: str) -> None:
+    """Refuse a storage record naming a file outside the checkpoint, naming the entry."""
+    try:
+        storage.path(name)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{source}: {fqn!r} has a record in {name!r}: {exc}") from None
 
 
 def _is_box(value: Any, ndim: int | None) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..limits import first_missing
 from ..records import SafetensorsHeader
 from ..storage import Storage
 from . import safetensors
@@ -70,7 +71,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         raise FormatError(f"{storage.describe()}: no shard-*-of-*.safetensors files")
     numbers = sorted({rank for rank, _ in shards.values()})
     if numbers != list(range(len(numbers))):
-        gap = min(set(range(numbers[-1] + 1)) - set(numbers))
+        (gap,) = first_missing(numbers, numbers[-1] + 1, limit=1)
         example = next(iter(shards))
         name = f"shard-{gap + 1:05d}-" + example.split("-", 2)[2]
         raise MissingFileError(f"{storage.describe(name)}: missing (rank {gap}'s shard)")

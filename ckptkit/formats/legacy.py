@@ -54,6 +54,7 @@ from typing import Any
 from ..catalog import Catalog, Chunk, Entry, pickle_leaf
 from ..dtypes import DType
 from ..errors import CoverageError, FormatError, MissingFileError, UnsafePickleError
+from ..limits import count_missing, first_missing, ranks_text
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
 from . import dcp
@@ -423,17 +424,20 @@ class RankSet:
     sharding: str | None  # "ShardedTensor", "DTensor" or None
 
     def missing(self) -> list[int]:
-        return [rank for rank in range(self.world_size) if rank not in self.files]
+        """The first few ranks below the world size without a file (bounded, see
+        :func:`ckptkit.limits.first_missing`)."""
+        return first_missing(self.files, self.world_size)
 
     def raise_for_missing(self, storage: Storage) -> None:
         """A :class:`FormatError` naming the missing rank files (and surplus ones)."""
         missing = self.missing()
         if missing:
             names = [_sibling(self.files, rank) for rank in missing]
-            shown = ", ".join(storage.describe(name) for name in names[:4])
+            shown = ", ".join(storage.describe(name) for name in names)
+            count = count_missing(self.files, self.world_size)
             raise CoverageError(
                 f"{shown}: missing; world size {self.world_size} ({self.world_size_from}) but "
-                f"only ranks {_ranges(list(self.files))} have files"
+                f"only ranks {ranks_text(self.files)} have files ({count} missing)"
             )
         surplus = [rank for rank in self.files if rank >= self.world_size]
         if surplus and self.authoritative:
@@ -748,13 +752,6 @@ def _sibling(files: Mapping[int, str], rank: int) -> str:
     """The name rank ``rank``'s file would have, beside the others."""
     directory = posixpath.dirname(next(iter(files.values()))) if files else ""
     return posixpath.join(directory, f"rank{rank}.pt")
-
-
-def _ranges(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"{ranks[0]}..{ranks[-1]}"
-    return ", ".join(map(str, ranks))
 
 
 def _what(kind: str, dtype: DType | None, shape: tuple[int, ...] | None) -> str:

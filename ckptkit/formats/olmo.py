@@ -20,6 +20,7 @@ from typing import Any
 
 from ..catalog import Catalog
 from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..limits import first_missing
 from ..storage import Storage
 from . import dcp, legacy
 from .detection import Detection
@@ -108,7 +109,7 @@ def describe(storage: Storage) -> Catalog:
             storage, train_files, group=legacy.TRAIN_GROUP, require_all=False
         )
         world = max(ranks.world_size, _dcp_world_size(files))
-        missing = [r for r in range(world) if r not in train_files]
+        missing = first_missing(train_files, world)
         if missing:
             names = ", ".join(f"{TRAIN_DIR}/rank{r}.pt" for r in missing[:4])
             if not unfinished:

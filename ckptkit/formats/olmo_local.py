@@ -26,6 +26,7 @@ import yaml
 from ..catalog import Catalog, Chunk, Encoding, Entry, Record
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..limits import count_missing, first_missing
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, TensorRef
 from . import legacy, torch_save
@@ -77,6 +78,17 @@ def detect(storage: Storage) -> Detection | None:
 def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     """The catalog of an OLMo local checkpoint directory; reads zip directories and pickles."""
     world_size = _world_size(storage)
+    present = {
+        int(m.group(1)) for n in storage.listdir("model") if (m := legacy.RANK_FILE.match(n))
+    }
+    if len(present) < world_size:  # never enumerate ranks the files cannot back
+        missing = ", ".join(
+            storage.describe(f"model/rank{r}.pt") for r in first_missing(present, world_size)
+        )
+        raise MissingFileError(
+            f"{missing}: missing ({count_missing(present, world_size)} rank files in all; "
+            f"{METADATA} says world_size {world_size})"
+        )
     model_files = [f"model/rank{r}.pt" for r in range(world_size)]
     optim_files = [f"optim/rank{r}.pt" for r in range(world_size)]
     train_files = {r: f"train/rank{r}.pt" for r in range(world_size)}
