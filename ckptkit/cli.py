@@ -19,17 +19,53 @@ from .errors import CheckpointError
 EXIT_ERROR = 2
 
 
+#: Characters a checkpoint's names may hold that a terminal would act on (C0/C1 controls but
+#: newline and tab, DEL, bidirectional overrides): printed escaped, as ``\x1b``.
+_UNPRINTABLE = {
+    c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+    for c in [*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+    if chr(c) not in "\n\t"
+}
+
+
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would interpret escaped (names come from the
+    checkpoint: a key can hold an escape sequence that retitles the window or sets the
+    clipboard)."""
+    return text.translate(_UNPRINTABLE)
+
+
+class _PrintableStream:
+    """A text stream that escapes what :func:`printable` escapes before writing."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write(printable(text))
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ckptkit`` console script."""
     parser = _parser()
     args = parser.parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = _PrintableStream(stdout)
     try:
         return args.run(args)
-    except (CheckpointError, OSError, ValueError) as exc:
-        print(f"ckptkit: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
     except BrokenPipeError:  # e.g. `ckptkit inspect … | head`
         return 0
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"ckptkit: error: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("ckptkit: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        sys.stdout = stdout
 
 
 def _parser() -> argparse.ArgumentParser:
