@@ -24,6 +24,7 @@ from ckptkit.unpickler import is_opaque
 
 from isolated import run_script
 from oracle import assert_bit_equal
+from writers import write_hf_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -319,17 +320,9 @@ def test_safetensors_single_file(tmp_path):
 def test_safetensors_hf_shards(tmp_path):
     tensors = _tensors()
     names = sorted(tensors)
-    shards = {
-        "model-00001-of-00002.safetensors": names[:3],
-        "model-00002-of-00002.safetensors": names[3:],
-    }
-    weight_map = {}
-    for shard, keys in shards.items():
-        save_file({k: tensors[k] for k in keys}, tmp_path / shard)
-        weight_map.update(dict.fromkeys(keys, shard))
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "config.json").write_text("{}")
+    index = write_hf_safetensors(tmp_path, tensors, split=3)
+    weight_map = index["weight_map"]
+    shards = sorted(set(weight_map.values()))
 
     ckpt = ckptkit.open(str(tmp_path))
     assert ckpt.format == "safetensors"

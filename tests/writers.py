@@ -293,3 +293,25 @@ def write_fsdp2_rank_files(
     path.mkdir(parents=True, exist_ok=True)
     _spawn(_save_fsdp2_rank_files, world_size, str(path), str(reference_path))
     return path
+
+
+def write_hf_safetensors(root: pathlib.Path, tensors: dict[str, torch.Tensor], split: int) -> dict:
+    """An HF-sharded safetensors folder written by the safetensors library: the sorted names up
+    to ``split`` in shard 1, the rest in shard 2, plus ``model.safetensors.index.json`` (returned)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    names = sorted(tensors)
+    shards = {
+        "model-00001-of-00002.safetensors": names[:split],
+        "model-00002-of-00002.safetensors": names[split:],
+    }
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, root / shard)
+        weight_map.update(dict.fromkeys(keys, shard))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    (root / "config.json").write_text("{}")
+    return index

@@ -1,0 +1,446 @@
+"""The cases of the format conformance suite (``test_conformance.py``).
+
+A case is one real checkpoint: how to get its path, the format ckptkit must detect there, and an
+oracle giving the tensors it must read. Checked-in fixtures have sha256 references written by
+the project that made them; checkpoints written in the session by torch (or the safetensors
+library) have the live state they were saved from. A new format adapter joins the suite by
+adding a case here: every contract item in ``test_conformance.py`` then runs on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from oracle import raw_bytes
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+# --------------------------------------------------------------------------------------------
+# Oracles.
+
+
+@dataclass(frozen=True)
+class Sha:
+    """An expected tensor known by its fixture reference: shape, dtype and SHA-256 of its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    sha256: str
+
+
+Expected = torch.Tensor | Sha
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """The tensors a case must read, by ckptkit key.
+
+    ``groups`` are the top-level groups the oracle lists *every* tensor of (None: all groups);
+    tensors of other groups are not known to it (e.g. OLMo's references drop the trainer RNG).
+    """
+
+    tensors: Mapping[str, Expected]
+    groups: frozenset[str] | None = None
+    note: str = ""
+
+
+def expected_matches(actual: torch.Tensor, expected: Expected) -> str | None:
+    """None when ``actual`` is bit-equal to ``expected``, else what differs."""
+    dtype = str(actual.dtype).removeprefix("torch.")
+    if isinstance(expected, Sha):
+        if (tuple(actual.shape), dtype) != (expected.shape, expected.dtype):
+            return f"shape/dtype {tuple(actual.shape)} {dtype} != {expected.shape} {expected.dtype}"
+        if hashlib.sha256(raw_bytes(actual)).hexdigest() != expected.sha256:
+            return "sha256 differs"
+        return None
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return f"{tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"
+    if raw_bytes(actual) != raw_bytes(expected):
+        return "bytes differ"
+    return None
+
+
+def sha_oracle(
+    item: str, *, groups: set[str] | None = None, folder: str | None = None, note: str = ""
+) -> Oracle:
+    """The oracle of a fixture item from ``reference/tensors.sha256.json``: keys are relative to
+    the file's group (``model.pt`` → ``model.``); ``folder`` keeps only the files listed under
+    that sub-folder (``olmo_unsharded`` lists two outputs, one of them not copied)."""
+    listed = json.loads((FIXTURES / item / "reference" / "tensors.sha256.json").read_text())
+    tensors: dict[str, Sha] = {}
+    for file, specs in listed.items():
+        if folder is not None:
+            if not file.startswith(f"{folder}/"):
+                continue
+            file = file.removeprefix(f"{folder}/")
+        group = file.split(".")[0]
+        for key, spec in specs.items():
+            tensors[f"{group}.{key}"] = Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+    return Oracle(tensors, frozenset(groups) if groups is not None else None, note)
+
+
+def flatten_tensors(state: Any, *, walk_tuples: bool, prefix: tuple = ()) -> dict[str, Any]:
+    """Every tensor leaf of a live state dict by dotted key, walked as the format flattens it:
+    mappings always (keys as ``str``), lists holding tensors or containers, and tuples too
+    when ``walk_tuples`` (torch.save / rank files walk them; DCP pickles a tuple whole)."""
+    found: dict[str, Any] = {}
+
+    def holds_more(values) -> bool:
+        return any(
+            isinstance(v, (Mapping, list, torch.Tensor)) or (walk_tuples and isinstance(v, tuple))
+            for v in values
+        )
+
+    def visit(path: tuple, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found[".".join(map(str, path))] = value
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif (isinstance(value, list) or (walk_tuples and isinstance(value, tuple))) and holds_more(
+            value
+        ):
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    visit(prefix, state)
+    return found
+
+
+def live_oracle(state: Any, *, walk_tuples: bool, prefix: tuple = (), note: str = "") -> Oracle:
+    """A complete oracle from the live state a checkpoint was saved from."""
+    return Oracle(flatten_tensors(state, walk_tuples=walk_tuples, prefix=prefix), None, note)
+
+
+# --------------------------------------------------------------------------------------------
+# Where cases come from.
+
+
+class Workspace:
+    """What cases need to make their paths: the session's ``written`` factory (DCP variants of
+    ``writers.VARIANTS``) and a module temporary directory for checkpoints written here, each
+    made once (``once``)."""
+
+    def __init__(self, written: Callable, root: Path) -> None:
+        self.written = written
+        self.root = root
+        self._done: dict[str, Any] = {}
+
+    def once(self, name: str, make: Callable[[Path], Any]) -> Any:
+        if name not in self._done:
+            self._done[name] = make(self.root / name)
+        return self._done[name]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One checkpoint of the suite: ``locate`` gives its path, ``format`` the expected adapter,
+    ``oracle`` the tensors it must read (given the workspace and the path)."""
+
+    id: str
+    format: str
+    locate: Callable[[Workspace], Path]
+    oracle: Callable[[Workspace, Path], Oracle]
+    #: whether ``Entry.path`` joined with "." spells the entry's key (every format promises it)
+    key_is_joined_path: bool = True
+
+
+def _fixture(rel: str) -> Callable[[Workspace], Path]:
+    return lambda ws: FIXTURES / rel
+
+
+def _fixture_case(
+    id: str,
+    format: str,
+    rel: str,
+    item: str,
+    *,
+    groups: set[str] | None = None,
+    folder: str | None = None,
+    note: str = "",
+) -> Case:
+    return Case(
+        id,
+        format,
+        _fixture(rel),
+        lambda ws, path: sha_oracle(item, groups=groups, folder=folder, note=note),
+    )
+
+
+def _written_case(id: str, variant: str) -> Case:
+    """A DCP variant of ``writers.VARIANTS``, written once per session by the ``written`` fixture;
+    its oracle is the live state saved beside it (DCP keeps tuples whole)."""
+    return Case(
+        id,
+        "dcp",
+        lambda ws: ws.written(variant).path,
+        lambda ws, path: live_oracle(ws.written(variant).reference(), walk_tuples=False),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank files written here by torch: FSDP1 ShardedTensors, FSDP2 DTensors (tests/writers.py)
+# and torch's HuggingFaceStorageWriter, all in ONE spawned 2-rank job (each spawn costs seconds).
+
+
+def _hf_full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "rows": torch.randn(7, 5, generator=g),  # Shard(0): 4 + 3 rows
+        "cols": torch.randn(4, 9, generator=g),  # Shard(1): 5 + 4 columns
+        "half": torch.randn(5, 6, generator=g).to(torch.bfloat16),  # Shard(0), bf16
+        "ids": torch.arange(11, dtype=torch.int64) * 3,  # Shard(0), 6 + 5
+        "rep": torch.randn(3, generator=g),  # replicated
+        "scale": torch.tensor(1.25),  # 0-d, replicated
+    }
+
+
+def _write_rank_files(rank: int, world_size: int, root: str) -> None:
+    """Rank body: ``writers``' FSDP1 and FSDP2 rank-file jobs, then DTensors saved with
+    ``HuggingFaceStorageWriter(save_distributed=True)``; rank 0 saves every live reference."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import writers
+
+    writers._save_fsdp1_rank_files(rank, world_size, f"{root}/fsdp1/ckpt", f"{root}/fsdp1/full.pt")
+    writers._save_fsdp2_rank_files(rank, world_size, f"{root}/fsdp2/ckpt", f"{root}/fsdp2/full.pt")
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = {"rows": Shard(0), "cols": Shard(1), "half": Shard(0), "ids": Shard(0)}
+    state = {
+        key: distribute_tensor(value, mesh, [placements.get(key, Replicate())])
+        for key, value in _hf_full_state().items()
+    }
+    writer = HuggingFaceStorageWriter(f"{root}/hf/ckpt", save_distributed=True)
+    dcp.save(state, storage_writer=writer)
+    full = {key: value.full_tensor() for key, value in state.items()}
+    if rank == 0:
+        torch.save(full, f"{root}/hf/live.pt")
+
+
+def _rank_files(ws: Workspace) -> Path:
+    def make(root: Path) -> Path:
+        from ckptkit.examples import _spawn  # the gloo spawner tests/writers.py uses too
+
+        for name in ("fsdp1/ckpt", "fsdp2/ckpt", "hf"):
+            (root / name).mkdir(parents=True)
+        _spawn(_write_rank_files, 2, str(root))
+        return root
+
+    return ws.once("rank_files", make)
+
+
+def _rank_file_case(id: str, format: str, rel: str, reference: str, select=None) -> Case:
+    def oracle(ws: Workspace, path: Path) -> Oracle:
+        state = torch.load(_rank_files(ws) / reference, weights_only=False)
+        return live_oracle(select(state) if select else state, walk_tuples=True)
+
+    return Case(id, format, lambda ws: _rank_files(ws) / rel, oracle)
+
+
+# --------------------------------------------------------------------------------------------
+# Unsharded files written here: torch.save (one file, a directory) and safetensors (one file,
+# HF shards with an index).
+
+
+def _torch_save_state() -> dict:
+    gen = torch.Generator().manual_seed(3)
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": {
+            "embed": {"weight": torch.randn(5, 3, generator=gen)},
+            "bf16": torch.randn(4, 2, generator=gen).to(torch.bfloat16),
+            "ids": torch.arange(7, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]),
+            "scalar": torch.tensor(3.5),
+            "empty": torch.empty(0, 4),
+            "transposed": base.t(),  # non-contiguous
+            "row": base[2],  # a view into base's storage, at an offset
+            "base": base,
+            "channels_last": torch.randn(2, 3, 2, 2, generator=gen).to(
+                memory_format=torch.channels_last
+            ),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5, 3, generator=gen)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0], "name": "all"}],
+        },
+        "train": {
+            "step": 17,
+            "losses": [2.5, 2.25],
+            "note": "hello",
+            "pair": (torch.ones(2), 5),  # a tuple holding a tensor
+            "tensors": [torch.ones(2), torch.zeros(3, dtype=torch.int32)],
+        },
+    }
+
+
+def _torch_save_file(ws: Workspace) -> Path:
+    def make(root: Path) -> Path:
+        root.mkdir()
+        torch.save(_torch_save_state(), root / "ckpt.pt")
+        return root / "ckpt.pt"
+
+    return ws.once("torch_save_file", make)
+
+
+def _torch_save_dir(ws: Workspace) -> Path:
+    def make(root: Path) -> Path:
+        root.mkdir()
+        for group, value in _torch_save_state().items():
+            torch.save(value, root / f"{group}.pt")
+        return root
+
+    return ws.once("torch_save_dir", make)
+
+
+def _safetensors_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    return {
+        "embed.weight": torch.randn(6, 4, generator=gen),
+        "layers.0.attn.bf16": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "layers.0.ids": torch.arange(9, dtype=torch.int64),
+        "layers.1.mask": torch.tensor([True, False]),
+        "layers.1.f64": torch.randn(2, 3, generator=gen).to(torch.float64),
+        "layers.1.u8": torch.arange(5, dtype=torch.uint8),
+        "scalar": torch.tensor(2.0, dtype=torch.float16),
+        "empty": torch.empty(0, 3),
+    }
+
+
+def _safetensors_file(ws: Workspace) -> Path:
+    from safetensors.torch import save_file
+
+    def make(root: Path) -> Path:
+        root.mkdir()
+        save_file(_safetensors_state(), root / "weights.safetensors", metadata={"format": "pt"})
+        return root / "weights.safetensors"
+
+    return ws.once("safetensors_file", make)
+
+
+def _safetensors_hf(ws: Workspace) -> Path:
+    def make(root: Path) -> Path:
+        root.mkdir()
+        from writers import write_hf_safetensors
+
+        write_hf_safetensors(root, _safetensors_state(), split=4)
+        return root
+
+    return ws.once("safetensors_hf", make)
+
+
+# --------------------------------------------------------------------------------------------
+# The cases.
+
+_DROPS_TRAIN = "the reference lists model and optim only (OLMo drops the trainer state / RNG)"
+
+CASES: list[Case] = [
+    # checked-in fixtures (torch 2.2, OLMo 0.6.0, OLMo-core), against their sha256 references
+    _fixture_case(
+        "fixture-dcp-torch22", "dcp", "dcp_torch22_fsdp1_ws2/checkpoint", "dcp_torch22_fsdp1_ws2"
+    ),
+    _fixture_case(
+        "fixture-olmo-torch-new-step",
+        "olmo_dcp",
+        "olmo_torch_new_ws2/step3",
+        "olmo_torch_new_ws2",
+        groups={"model", "optim"},
+        note=_DROPS_TRAIN,
+    ),
+    _fixture_case(
+        "fixture-olmo-torch-new-dcp",
+        "dcp",
+        "olmo_torch_new_ws2/step3/model_and_optim",
+        "olmo_torch_new_ws2",
+    ),
+    _fixture_case(
+        "fixture-olmo-core3-step",
+        "olmo_dcp",
+        "olmo_core3_trainer_ws2/step3",
+        "olmo_core3_trainer_ws2",
+        groups={"model", "optim"},
+        note=_DROPS_TRAIN,
+    ),
+    _fixture_case(
+        "fixture-olmo-core3-dcp",
+        "dcp",
+        "olmo_core3_trainer_ws2/step3/model_and_optim",
+        "olmo_core3_trainer_ws2",
+    ),
+    _fixture_case("fixture-olmo-local", "olmo_local", "olmo_local_ws2/step3", "olmo_local_ws2"),
+    _fixture_case(
+        "fixture-olmo-core-v0", "olmo_core_v0", "olmo_core_v010_ws2/step3", "olmo_core_v010_ws2"
+    ),
+    _fixture_case(
+        "fixture-olmo-unsharded-safetensors",
+        "safetensors",
+        "olmo_unsharded/step3-unsharded-safetensors",
+        "olmo_unsharded",
+        folder="step3-unsharded-safetensors",
+    ),
+    _fixture_case(
+        "fixture-olmo-legacy",
+        "legacy",
+        "olmo_torch_legacy_ws2/step3",
+        "olmo_torch_legacy_ws2",
+        groups={"model", "optim"},
+        note=_DROPS_TRAIN,
+    ),
+    # DCP written by torch's own dcp.save in this session (tests/writers.py VARIANTS)
+    _written_case("dcp-single-process", "single_process"),
+    _written_case("dcp-fsdp2-ws2", "fsdp2_ws2"),
+    _written_case("dcp-empty-chunks-ws4", "empty_chunks"),
+    _written_case("dcp-no-collectives", "no_collectives"),
+    _written_case("dcp-zstd", "zstd"),
+    _written_case("dcp-safetensors-serialization", "safetensors_format"),
+    # per-rank torch.save files and HF per-rank shards, written by torch in this module
+    _rank_file_case("legacy-fsdp1-sharded-tensor", "legacy", "fsdp1/ckpt", "fsdp1/full.pt"),
+    _rank_file_case("legacy-fsdp2-dtensor", "legacy", "fsdp2/ckpt", "fsdp2/full.pt"),
+    _rank_file_case(
+        "legacy-fsdp2-bare-model",
+        "legacy",
+        "fsdp2/bare",
+        "fsdp2/full.pt",
+        select=lambda full: {"model": full["model"]},
+    ),
+    _rank_file_case(
+        "hf-dcp-sharded", "hf_dcp_sharded", "hf/ckpt", "hf/live.pt", lambda s: {"model": s}
+    ),
+    # unsharded files written by torch.save / the safetensors library
+    Case(
+        "torch-save-file",
+        "torch_save",
+        _torch_save_file,
+        lambda ws, path: live_oracle(_torch_save_state(), walk_tuples=True, prefix=("ckpt",)),
+    ),
+    Case(
+        "torch-save-dir",
+        "torch_save",
+        _torch_save_dir,
+        lambda ws, path: live_oracle(_torch_save_state(), walk_tuples=True),
+    ),
+    Case(
+        "safetensors-file",
+        "safetensors",
+        _safetensors_file,
+        lambda ws, path: live_oracle(_safetensors_state(), walk_tuples=True, prefix=("weights",)),
+    ),
+    Case(
+        "safetensors-hf-shards",
+        "safetensors",
+        _safetensors_hf,
+        lambda ws, path: live_oracle(_safetensors_state(), walk_tuples=True, prefix=("model",)),
+    ),
+]
