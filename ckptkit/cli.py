@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from . import __version__
 from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
-from .errors import CheckpointError
+from .errors import CheckpointError, UsageError
 
 EXIT_ERROR = 2
 
@@ -201,7 +201,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.key_map:
         pairs = [item.split("=", 1) for item in args.key_map]
         if any(len(pair) != 2 for pair in pairs):
-            raise ValueError(f"--key-map takes OLD=NEW prefixes, got {args.key_map}")
+            raise UsageError(f"--key-map takes OLD=NEW prefixes, got {args.key_map}")
         key_map = dict(pairs)
     frame = diff(
         args.a,

@@ -20,7 +20,7 @@ from . import dtypes
 from .catalog import Entry
 from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
-from .errors import CorruptRecordError, KeyNotFoundError
+from .errors import CorruptRecordError, KeyNotFoundError, UsageError
 from .progress import ByteProgress
 from .reading import Reader
 from .unpickler import Opaque, TensorRef
@@ -87,7 +87,7 @@ def diff(
     import pandas as pd
 
     if not (rtol >= 0 and atol >= 0):
-        raise ValueError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
+        raise UsageError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
     ckpt_a = open_source(a, storage_options)
     ckpt_b = open_source(b, storage_options)
     side_a = _mapped(ckpt_a, key_map, keys)
@@ -166,7 +166,7 @@ def _mapped(ckpt: Checkpoint, key_map: KeyMap, keys: Sequence[str] | str | None)
         if patterns is not None and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue
         if name in out:
-            raise ValueError(
+            raise UsageError(
                 f"{ckpt.url}: keys {out[name].key!r} and {entry.key!r} both map to {name!r}"
             )
         out[name] = entry

@@ -17,7 +17,7 @@ import numpy as np
 from .catalog import Chunk
 from .checkpoint import Checkpoint, open_source
 from .diff import KeyMap, aligned_blocks, as_float, map_key
-from .errors import KeyNotFoundError
+from .errors import KeyNotFoundError, UsageError
 from .tables import human_bytes
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def plot_sizes(frame: pd.DataFrame, *, by: str = "group", ax: Axes | None = None
             ("metadata_bytes", "metadata files", "tab:gray"),
         ]
     else:
-        raise ValueError(f"by must be 'group' or 'dtype', not {by!r}")
+        raise UsageError(f"by must be 'group' or 'dtype', not {by!r}")
     ax = _axes(ax, (9, 0.6 * len(frame) + 1.6))
     scale, unit = _unit(float(frame["size"].max()))
     labels = [str(label) for label in frame.index]

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, open_source
-from .errors import MissingFileError
+from .errors import MissingFileError, UsageError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -87,12 +87,12 @@ def compare_sizes(
     import pandas as pd
 
     if not sources:
-        raise ValueError("compare_sizes needs at least one checkpoint")
+        raise UsageError("compare_sizes needs at least one checkpoint")
     ckpts = [open_source(source, storage_options) for source in sources]
     if labels is None:
         labels = _labels(sources, ckpts)
     elif len(labels) != len(ckpts):
-        raise ValueError(f"{len(labels)} labels for {len(ckpts)} checkpoints")
+        raise UsageError(f"{len(labels)} labels for {len(ckpts)} checkpoints")
     rows = [_sizes(ckpt, categories) for ckpt in ckpts]
     dtype_columns = sorted(
         {k for row in rows for k in row["dtypes"]},

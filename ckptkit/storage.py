@@ -62,6 +62,7 @@ from .errors import (
     OutputNameError,
     StorageError,
     UnsafePathError,
+    UsageError,
 )
 
 #: Ranges closer than this are fetched in one request (bytes in between are read and dropped).
@@ -112,7 +113,7 @@ class Storage:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
         if cache is not None and cache not in _CACHE_PROTOCOLS:
-            raise ValueError(f"cache must be 'blocks', 'files' or None, not {cache!r}")
+            raise UsageError(f"cache must be 'blocks', 'files' or None, not {cache!r}")
         if _fs is None:
             _fs, root = _filesystem(self.url, self.storage_options)
             _forget_listings(_fs, root)  # each open sees the store as it is now

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from .. import dtypes
 from ..dtypes import DType
+from ..errors import MismatchError
 
 ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -76,7 +77,7 @@ class StoredZipWriter:
             written += len(chunk)
             self.stream.write(chunk)
         if written != size:
-            raise ValueError(f"member {name!r}: {written} bytes written, {size} announced")
+            raise MismatchError(f"member {name!r}: {written} bytes written, {size} announced")
         end = self.stream.tell()
         self.stream.seek(self.start + offset + 14)
         self.stream.write(struct.pack("<I", crc))
