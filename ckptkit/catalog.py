@@ -9,12 +9,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, Literal
 
 from .dtypes import DType
+from .errors import FormatError
 
 
 class Encoding(StrEnum):
@@ -131,14 +133,54 @@ class Entry:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
+class Facts:
+    """What an adapter learned about a checkpoint besides its entries; every field optional.
+
+    Operations read these by name (``compare_sizes`` counts ``metadata_files``, ``config``
+    parses ``config_file``), so a fact an adapter knows is never silently missing elsewhere.
+    """
+
+    #: Files that only describe the checkpoint: DCP ``.metadata``, an HF ``index.json``,
+    #: OLMo-core ``metadata.json`` / ``.metadata.json``, OLMo ``metadata.yaml``.
+    metadata_files: tuple[str, ...] = ()
+    #: The run config saved beside the checkpoint (``config.yaml`` / ``config.json``).
+    config_file: str | None = None
+    world_size: int | None = None
+    #: Why the save looks unfinished (a ``stepN-tmp`` folder, a missing completion marker).
+    unfinished: str | None = None
+    #: DCP ``Metadata.version`` and ``storage_meta`` ids.
+    version: str | None = None
+    checkpoint_id: str | None = None
+    save_id: str | None = None
+    #: ``"OLMo torch_new"`` / ``"OLMo-core"`` for OLMo step directories.
+    layout: str | None = None
+    #: ``"ShardedTensor"`` / ``"DTensor"`` for per-rank files.
+    sharding: str | None = None
+    #: Per-rank files (``rank{N}.pt``, ``train/rank{N}.pt``) in rank order.
+    rank_files: tuple[str, ...] = ()
+    #: Files a directory holds that no entry comes from, with why (``model.pt`` beside
+    #: ``model.safetensors``: read from safetensors).
+    skipped_files: Mapping[str, str] = field(default_factory=dict)
+    #: Each safetensors file's ``__metadata__`` header.
+    header_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    #: Safetensors files whose keys are OLMo's base64-pickled key paths.
+    base64_key_files: tuple[str, ...] = ()
+    #: Bookkeeping keys an adapter read and left out of the entries (OLMo-core 0.x).
+    bookkeeping_keys: tuple[str, ...] = ()
+    #: OLMo-core's completion marker ``.metadata.json``, parsed.
+    olmo_core_metadata: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class Catalog:
-    """Everything known about a checkpoint without reading tensor bytes."""
+    """Everything known about a checkpoint without reading tensor bytes; immutable, built and
+    validated by :class:`CatalogBuilder`."""
 
     format: str
-    entries: dict[str, Entry]
-    files: list[str]  # data files the records point into, relative to the checkpoint root
-    info: dict[str, Any] = field(default_factory=dict)  # format-specific facts (version, ids…)
+    entries: Mapping[str, Entry]
+    files: tuple[str, ...]  # data files the records point into, relative to the checkpoint root
+    facts: Facts = Facts()
     #: The allowlist PICKLE_LEAF pickles are decoded with (None: ``unpickler.OBJECT_GLOBALS``);
     #: set by formats whose torch.save pickles name more classes (ShardedTensor rank files).
     object_globals: Mapping[str, Any] | None = field(default=None, repr=False)
@@ -166,3 +208,105 @@ class Catalog:
             if (groups is None or e.group in groups)
             and (keys is None or any(fnmatch.fnmatchcase(e.key, pattern) for pattern in keys))
         ]
+
+
+class CatalogBuilder:
+    """The one place a catalog is assembled: adapters add entries (and data files no record
+    names), :meth:`build` checks them and returns an immutable :class:`Catalog`.
+
+    Checks, each a :class:`FormatError` naming the key: keys unique; paths of str parts and
+    non-negative int indices; tensors with a dtype and a shape of non-negative ints, chunks with
+    as many offsets and sizes as the shape has dimensions (flat chunks: one), non-negative ints;
+    objects without dtype and with a record; records naming a file, at a non-negative offset and
+    length. Coverage (every element exactly once) is checked when a tensor is read or verified
+    (:mod:`ckptkit.coverage`), so one damaged tensor does not hide the rest.
+    """
+
+    def __init__(self, format: str, *, object_globals: Mapping[str, Any] | None = None) -> None:
+        self.format = format
+        self.object_globals = object_globals
+        self.entries: dict[str, Entry] = {}
+        self._files: dict[str, None] = {}
+
+    def add(self, entry: Entry, *, source: str = "") -> None:
+        """Add one entry; a second entry under the same key is refused."""
+        if entry.key in self.entries:
+            raise FormatError(f"{source or self.format}: key {entry.key!r} is described twice")
+        self.entries[entry.key] = entry
+
+    def add_all(self, entries: Iterable[Entry], *, source: str = "") -> None:
+        for entry in entries:
+            self.add(entry, source=source)
+
+    def add_files(self, names: Iterable[str]) -> None:
+        """Data files that belong to the checkpoint whether or not a record names them."""
+        self._files.update(dict.fromkeys(names))
+
+    def build(self, facts: Facts = Facts()) -> Catalog:
+        """The checked, immutable catalog (files: those added, then those records name)."""
+        files = dict(self._files)
+        for entry in self.entries.values():
+            _check_entry(entry, self.format)
+            files.update((c.record.file, None) for c in entry.chunks if c.record is not None)
+        return Catalog(
+            self.format,
+            MappingProxyType(self.entries),
+            tuple(files),
+            facts,
+            self.object_globals,
+        )
+
+
+def _check_entry(entry: Entry, source: str) -> None:
+    """Raise :class:`FormatError` unless ``entry`` is well-formed (see :class:`CatalogBuilder`)."""
+    where = f"{source}: {entry.key!r}"
+    if not isinstance(entry.key, str) or not entry.path:
+        raise FormatError(f"{where}: no key or path")
+    if not all(type(p) is str or (type(p) is int and p >= 0) for p in entry.path):
+        raise FormatError(f"{where}: path {entry.path!r} has a part that is not a name or index")
+    if entry.kind == "tensor":
+        _check_tensor(entry, where)
+    elif entry.kind == "object":
+        if entry.dtype is not None or not entry.chunks or entry.chunks[0].record is None:
+            raise FormatError(f"{where}: an object needs a record and no dtype")
+    else:
+        raise FormatError(f"{where}: unknown kind {entry.kind!r}")
+    records = {id(c.record): c.record for c in entry.chunks if c.record is not None}
+    for record in records.values():
+        if not (
+            isinstance(record.file, str)
+            and record.file
+            and _naturals((record.offset, record.length))
+        ):
+            raise FormatError(
+                f"{where}: malformed record ({record.file!r} @{record.offset!r}, "
+                f"{record.length!r} bytes)"
+            )
+
+
+def _check_tensor(entry: Entry, where: str) -> None:
+    shape = entry.shape
+    if not isinstance(entry.dtype, DType) or type(shape) is not tuple or not _naturals(shape):
+        raise FormatError(f"{where}: a tensor needs a dtype and a shape of non-negative ints")
+    ndim = len(shape)
+    for chunk in entry.chunks:
+        dims = 1 if chunk.flat else ndim
+        if not (
+            type(chunk.offsets) is tuple
+            and type(chunk.sizes) is tuple
+            and len(chunk.offsets) == dims
+            and len(chunk.sizes) == dims
+            and _naturals(chunk.offsets + chunk.sizes)
+        ):
+            raise FormatError(
+                f"{where}: malformed chunk at {chunk.offsets!r} of size {chunk.sizes!r} "
+                f"for shape {list(shape)}"
+            )
+
+
+def _naturals(values: tuple) -> bool:
+    """Every value a non-negative int (checked with C builtins: this runs for every chunk)."""
+    try:
+        return not values or (type(sum(values)) is int and min(values) >= 0)
+    except TypeError:
+        return False

@@ -54,7 +54,13 @@ def check_coverage(entry: Entry, chunks: Sequence[Chunk]) -> None:
     tensor: every element in exactly one chunk, none outside it. Chunks without elements are
     ignored. :class:`LimitExceededError` when the layout is too irregular to decide in
     :data:`WORK_LIMIT` steps."""
-    key, shape, numel = entry.key, entry.shape or (), entry.numel
+    check_chunks(entry.key, entry.shape or (), chunks)
+
+
+def check_chunks(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
+    """:func:`check_coverage` for a tensor not yet in an entry (adapters check while they
+    describe): ``key`` for messages, ``shape``, and the distinct chunks."""
+    numel = math.prod(shape)
     flat, sizes, starts, ends = _held_boxes(key, shape, numel, chunks)
     extent = (numel,) if flat else shape
     if len(sizes) == 1 and sizes[0] == extent:  # one box, inside the tensor, so at offset 0

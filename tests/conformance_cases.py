@@ -392,7 +392,7 @@ CASES: list[Case] = [
     ),
     _fixture_case(
         "fixture-olmo-legacy",
-        "legacy",
+        "rank_files",
         "olmo_torch_legacy_ws2/step3",
         "olmo_torch_legacy_ws2",
         groups={"model", "optim"},
@@ -406,11 +406,11 @@ CASES: list[Case] = [
     _written_case("dcp-zstd", "zstd"),
     _written_case("dcp-safetensors-serialization", "safetensors_format"),
     # per-rank torch.save files and HF per-rank shards, written by torch in this module
-    _rank_file_case("legacy-fsdp1-sharded-tensor", "legacy", "fsdp1/ckpt", "fsdp1/full.pt"),
-    _rank_file_case("legacy-fsdp2-dtensor", "legacy", "fsdp2/ckpt", "fsdp2/full.pt"),
+    _rank_file_case("rank-files-fsdp1-sharded-tensor", "rank_files", "fsdp1/ckpt", "fsdp1/full.pt"),
+    _rank_file_case("rank-files-fsdp2-dtensor", "rank_files", "fsdp2/ckpt", "fsdp2/full.pt"),
     _rank_file_case(
-        "legacy-fsdp2-bare-model",
-        "legacy",
+        "rank-files-fsdp2-bare-model",
+        "rank_files",
         "fsdp2/bare",
         "fsdp2/full.pt",
         select=lambda full: {"model": full["model"]},

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.formats import legacy, olmo, olmo_core_v0, olmo_local
+from ckptkit.formats import olmo_core_v0, olmo_dcp, olmo_local, rank_files
 from ckptkit.unpickler import is_opaque
 
 from isolated import run_script
@@ -90,10 +90,10 @@ def _plain(value):
 
 def test_olmo_legacy_rank_files_match_olmos_unsharder():
     ckpt = ckptkit.open(str(LEGACY / "step3"))
-    assert ckpt.format == "legacy"
-    assert ckpt.catalog.info["world_size"] == 2
-    assert ckpt.catalog.info["sharding"] == "ShardedTensor"
-    assert ckpt.catalog.files == ["rank0.pt", "rank1.pt"]
+    assert ckpt.format == "rank_files"
+    assert ckpt.catalog.facts.world_size == 2
+    assert ckpt.catalog.facts.sharding == "ShardedTensor"
+    assert ckpt.catalog.files == ("rank0.pt", "rank1.pt")
     reference = _reference(LEGACY)
     expected = {
         f"{file.split('.')[0]}.{key}": (spec["dtype"], tuple(spec["shape"]))
@@ -152,14 +152,14 @@ def test_olmo_torch_new_step_directory_is_one_checkpoint(tmp_path):
     step = TORCH_NEW / "step3"
     ckpt = ckptkit.open(str(step))
     assert ckpt.format == "olmo_dcp" and ckpt.url.endswith("step3")
-    assert ckpt.catalog.info["layout"] == "OLMo torch_new"
-    assert "unfinished" not in ckpt.catalog.info
-    assert ckpt.catalog.files == [
+    assert ckpt.catalog.facts.layout == "OLMo torch_new"
+    assert ckpt.catalog.facts.unfinished is None
+    assert ckpt.catalog.files == (
         "model_and_optim/__0_0.distcp",
         "model_and_optim/__1_0.distcp",
         "train/rank0.pt",
         "train/rank1.pt",
-    ]
+    )
     assert assert_matches_sha256(ckpt, TORCH_NEW / "reference" / "tensors.sha256.json") == 116
     dcp_keys = set(ckptkit.open(str(step / "model_and_optim")).keys())
     train = torch.load(step / "train" / "rank0.pt", weights_only=False)
@@ -194,9 +194,10 @@ def test_olmo_core_step_directory_with_trainer_state_and_config():
     step = OLMO_CORE / "step3"
     ckpt = ckptkit.open(str(step))
     assert ckpt.format == "olmo_dcp"
-    info = ckpt.catalog.info
-    assert info["layout"] == "OLMo-core" and info["olmo_core_metadata"]["version"] == "3.0.0"
-    assert info["train_files"] == ["train/rank0.pt", "train/rank1.pt"]
+    facts = ckpt.catalog.facts
+    assert facts.layout == "OLMo-core" and facts.olmo_core_metadata["version"] == "3.0.0"
+    assert facts.rank_files == ("train/rank0.pt", "train/rank1.pt")
+    assert facts.metadata_files == ("model_and_optim/.metadata", ".metadata.json")
     assert assert_matches_sha256(ckpt, OLMO_CORE / "reference" / "tensors.sha256.json") == 84
     train = torch.load(step / "train" / "rank0.pt", weights_only=False)
     assert ckpt.read_object("train.global_step") == train["global_step"] == 3
@@ -217,13 +218,13 @@ def test_unfinished_saves_open_with_a_reason_and_a_warning(tmp_path):
     tmp_dir = _copy(TORCH_NEW / "step3", tmp_path / "step3-tmp")
     with pytest.warns(UserWarning, match=r"step3-tmp.*unfinished"):
         ckpt = ckptkit.open(str(tmp_dir))
-    assert "step3-tmp" in ckpt.catalog.info["unfinished"]
+    assert "step3-tmp" in ckpt.catalog.facts.unfinished
     assert ckpt.read_object("train.global_step") == 3
 
     no_marker = _copy(OLMO_CORE / "step3", tmp_path / "core" / "step3", without=(".metadata.json",))
     with pytest.warns(UserWarning, match=r"core/step3.*\.metadata\.json"):
         ckpt = ckptkit.open(str(no_marker))
-    assert "completion marker" in ckpt.catalog.info["unfinished"]
+    assert "completion marker" in ckpt.catalog.facts.unfinished
     assert len(ckpt.catalog.tensors()) == 85
 
     no_dcp = _copy(TORCH_NEW / "step3", tmp_path / "nodcp" / "step3")
@@ -235,7 +236,7 @@ def test_unfinished_saves_open_with_a_reason_and_a_warning(tmp_path):
     legacy_tmp = _copy(LEGACY / "step3", tmp_path / "legacy" / "step3-tmp")
     with pytest.warns(UserWarning, match="step3-tmp"):
         ckpt = ckptkit.open(str(legacy_tmp))
-    assert "step3-tmp" in ckpt.catalog.info["unfinished"]
+    assert "step3-tmp" in ckpt.catalog.facts.unfinished
 
 
 def test_missing_and_duplicated_ranks_are_named(tmp_path):
@@ -281,7 +282,7 @@ def test_fsdp1_sharded_state_dict_rank_files_equal_the_full_state_dict(fsdp1, tm
     """Model: FULL_STATE_DICT of the same job; optimizer: torch's ShardedTensor.gather() of the
     saved shards (torch 2.13's FULL optimizer state dict is broken on CPU, see writers.py)."""
     ckpt = ckptkit.open(str(fsdp1 / "ckpt"))
-    assert ckpt.format == "legacy" and ckpt.catalog.info["sharding"] == "ShardedTensor"
+    assert ckpt.format == "rank_files" and ckpt.catalog.facts.sharding == "ShardedTensor"
     full = torch.load(fsdp1 / "full.pt", weights_only=False)
     n_model = len(full["model"])
     n_optim = sum(torch.is_tensor(v) for s in full["optim"]["state"].values() for v in s.values())
@@ -304,7 +305,7 @@ def test_fsdp1_sharded_state_dict_rank_files_equal_the_full_state_dict(fsdp1, tm
 
 def test_fsdp2_dtensor_rank_files_equal_the_gathered_state(fsdp2):
     ckpt = ckptkit.open(str(fsdp2 / "ckpt"))
-    assert ckpt.format == "legacy" and ckpt.catalog.info["sharding"] == "DTensor"
+    assert ckpt.format == "rank_files" and ckpt.catalog.facts.sharding == "DTensor"
     full = torch.load(fsdp2 / "full.pt", weights_only=False)
     n_model = len(full["model"])
     assert _assert_reads_match(ckpt, full) == len(ckpt.catalog.tensors()) > n_model
@@ -325,7 +326,7 @@ def test_bare_state_dicts_group_as_model_or_train(fsdp2):
     assert _assert_reads_match(ckpt, full) == len(full["model"])
 
     ckpt = ckptkit.open(str(TORCH_NEW / "step3" / "train"))
-    assert ckpt.format == "legacy" and ckpt.catalog.info["world_size"] == 2
+    assert ckpt.format == "rank_files" and ckpt.catalog.facts.world_size == 2
     assert {e.group for e in ckpt.catalog.entries.values()} == {"train"}
     assert ckpt.read_object("train.global_step") == 3
 
@@ -408,19 +409,19 @@ def test_rank_file_pickle_is_really_what_torch_writes():
 def test_detection_verdicts(tmp_path, fsdp1, fsdp2):
     cases = {
         FIXTURES / "dcp_torch22_fsdp1_ws2" / "checkpoint": "dcp",
-        TORCH_NEW / "step3": olmo.NAME,
+        TORCH_NEW / "step3": olmo_dcp.NAME,
         TORCH_NEW / "step3" / "model_and_optim": "dcp",
-        TORCH_NEW / "step3" / "train": legacy.NAME,
-        TORCH_NEW / "step3" / "train" / "rank1.pt": legacy.NAME,
-        OLMO_CORE / "step3": olmo.NAME,
-        LEGACY / "step3": legacy.NAME,
-        LEGACY / "step3" / "rank0.pt": legacy.NAME,
+        TORCH_NEW / "step3" / "train": rank_files.NAME,
+        TORCH_NEW / "step3" / "train" / "rank1.pt": rank_files.NAME,
+        OLMO_CORE / "step3": olmo_dcp.NAME,
+        LEGACY / "step3": rank_files.NAME,
+        LEGACY / "step3" / "rank0.pt": rank_files.NAME,
         LEGACY / "reference" / "train.pt": "torch_save",
         FIXTURES / "olmo_local_ws2" / "step3": olmo_local.NAME,
         FIXTURES / "olmo_core_v010_ws2" / "step3": olmo_core_v0.NAME,
         FIXTURES / "olmo_unsharded" / "step3-unsharded-safetensors": "safetensors",
-        fsdp1 / "ckpt": legacy.NAME,
-        fsdp2 / "ckpt": legacy.NAME,
+        fsdp1 / "ckpt": rank_files.NAME,
+        fsdp2 / "ckpt": rank_files.NAME,
     }
     for path, expected in cases.items():
         found = ckptkit.detect(str(path))

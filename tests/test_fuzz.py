@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.formats.dcp import ALLOWED_GLOBALS as DCP_GLOBALS
+from ckptkit.formats.parts.dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
 from ckptkit.pickle_limits import METADATA_LIMITS, RECORD_LIMITS
 from ckptkit.records import (
     TorchArchive,

@@ -1,5 +1,7 @@
-"""On-disk formats. Each adapter only *describes* a checkpoint (``detect`` + ``describe``);
-reading, tables and conversions work on the :class:`~ckptkit.catalog.Catalog` it returns."""
+"""On-disk formats. Each adapter (a module named after its format) only *describes* a checkpoint
+(``detect`` + ``describe``, feeding :class:`~ckptkit.catalog.CatalogBuilder`); reading, tables
+and conversions work on the :class:`~ckptkit.catalog.Catalog` it returns. Adapters never import
+each other: what several share lives in :mod:`.parts`."""
 
 from __future__ import annotations
 
@@ -8,26 +10,38 @@ from types import ModuleType
 from ..catalog import Catalog
 from ..errors import AccessDeniedError, FormatError, MissingFileError
 from ..storage import Storage
-from . import dcp, hf_dcp, legacy, olmo, olmo_core_v0, olmo_local, safetensors, torch_save
+from . import (
+    dcp,
+    hf_dcp_sharded,
+    olmo_core_v0,
+    olmo_dcp,
+    olmo_local,
+    rank_files,
+    safetensors,
+    torch_save,
+)
 from .detection import Detection
 
 #: Adapters in detection order: the first whose ``detect`` answers wins (a directory holding
 #: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
 ADAPTERS: dict[str, ModuleType] = {
-    olmo.NAME: olmo,  # a step dir holds model_and_optim/.metadata: before dcp
+    olmo_dcp.NAME: olmo_dcp,  # a step dir holds model_and_optim/.metadata: before dcp
     dcp.NAME: dcp,
     olmo_local.NAME: olmo_local,
     olmo_core_v0.NAME: olmo_core_v0,
-    hf_dcp.NAME: hf_dcp,
+    hf_dcp_sharded.NAME: hf_dcp_sharded,
     safetensors.NAME: safetensors,
-    legacy.NAME: legacy,  # rank{N}.pt are torch.save zips too: before torch_save
+    rank_files.NAME: rank_files,  # rank{N}.pt are torch.save zips too: before torch_save
     torch_save.NAME: torch_save,
 }
+#: Earlier names of formats, still accepted by ``format=``.
+ALIASES = {"legacy": rank_files.NAME}
 
 
 def detect(storage: Storage, format: str | None = None) -> Detection:
     """Which format is at ``storage`` (or force ``format``); a clear error when none fits."""
     if format is not None:
+        format = ALIASES.get(format, format)
         if format not in ADAPTERS:
             raise FormatError(f"unknown format {format!r}; known: {', '.join(ADAPTERS)}")
         found = ADAPTERS[format].detect(storage)

@@ -22,13 +22,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dtypes
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
-from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record, pickle_leaf
+from ..coverage import check_chunks
+from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
 from ..records import SafetensorsHeader
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, safe_loads
-from . import legacy, olmo_local, safetensors, torch_save
 from .detection import Detection, file_location
+from .parts.rank_sets import TRAIN_GROUP, describe_ranks, rank_files
+from .parts.safetensors_files import read_headers
+from .parts.torch_save_files import leaves
+from .parts.unfinished import check_olmo_config
 
 NAME = "olmo_core_v0"
 METADATA = "metadata.json"
@@ -68,21 +72,21 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         {f"{part}/{file}" for part, tensors in metadata.items() for file in _files(tensors)}
     )
     headers = _headers(storage, data_files)
-    entries: dict[str, Entry] = {}
-    info: dict[str, Any] = {}
-    for key, entry in _entries(storage, "model", metadata["model"], headers).items():
-        entries[f"model.{key}"] = entry
+    facts: dict[str, Any] = {"metadata_files": tuple(f"{part}/{METADATA}" for part in parts)}
+    builder = CatalogBuilder(NAME)
+    builder.add_files(data_files)
+    source = storage.describe()
+    builder.add_all(_entries(storage, "model", metadata["model"], headers).values(), source=source)
     if "optim" in metadata:
-        entries.update(_optim_entries(storage, metadata["optim"], headers, info))
+        builder.add_all(_optim_entries(storage, metadata["optim"], headers, facts).values())
     if listing.get("train") == -1:  # every rank's copy; reads give rank 0's, as OLMo keeps
-        train_files = legacy.rank_files(storage, storage.listdir("train"), prefix="train/")
-        ranks = legacy.describe_ranks(storage, train_files, group=legacy.TRAIN_GROUP)
+        train_files = rank_files(storage, storage.listdir("train"), prefix="train/")
+        ranks = describe_ranks(storage, train_files, group=TRAIN_GROUP)
         ranks.raise_for_missing(storage)
-        entries.update(ranks.entries)
-        data_files.extend(train_files.values())
-        info["train_files"] = list(train_files.values())
-    olmo_local.note_unfinished(storage, info)
-    return Catalog(NAME, entries, data_files, info)
+        builder.add_files(train_files.values())
+        builder.add_all(ranks.entries.values(), source=storage.describe("train"))
+        facts["rank_files"] = tuple(train_files.values())
+    return builder.build(Facts(unfinished=check_olmo_config(storage), **facts))
 
 
 def _metadata(storage: Storage, name: str) -> dict[str, Any]:
@@ -119,7 +123,7 @@ def _headers(storage: Storage, files: list[str]) -> dict[str, tuple[SafetensorsH
     for file in files:
         if sizes[file] is None:
             raise MissingFileError(f"{storage.describe(file)}: listed in metadata.json, missing")
-    headers = safetensors.read_headers(storage, files)
+    headers = read_headers(storage, files)
     return {file: (headers[file], sizes[file]) for file in files}
 
 
@@ -209,18 +213,15 @@ def _rank_of(file: str) -> int | None:
 def _check_cover(source: str, key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
     """Flat ranges must tile the tensor exactly (a replicated tensor may repeat whole)."""
     numel = math.prod(shape)
-    distinct = {(c.flat, c.offsets, c.sizes) for c in chunks}
-    flat = sorted((o[0], o[0] + s[0]) for f, o, s in distinct if f)
-    at = 0
-    for start, end in flat:
-        if start != at:
-            break
-        at = end
-    boxes = sum(math.prod(s) for f, _, s in distinct if not f)
-    if (flat and at != numel) or (flat and boxes) or (not flat and boxes not in (0, numel)):
-        raise FormatError(f"{source}: {key!r}: the files' ranges do not cover its {numel} elements")
     if not chunks and numel:
         raise FormatError(f"{source}: {key!r}: no file holds any of its {numel} elements")
+    distinct = list({(c.flat, c.offsets, c.sizes): c for c in chunks}.values())
+    try:
+        check_chunks(key, shape, distinct)
+    except CoverageError as exc:
+        raise CoverageError(
+            f"{source}: {key!r}: the files' ranges do not cover its {numel} elements ({exc})"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +232,7 @@ def _optim_entries(
     storage: Storage,
     tensors: Mapping[str, Any],
     headers: Mapping[str, tuple[SafetensorsHeader, int]],
-    info: dict[str, Any],
+    facts: dict[str, Any],
 ) -> dict[str, Entry]:
     """``optim.state.<id>.<name>`` tensors and ``optim.param_groups.<i>.<field>`` objects."""
     source = storage.describe(f"optim/{METADATA}")
@@ -251,7 +252,7 @@ def _optim_entries(
             raise FormatError(f"{source}: {name} has no _param_names matching its params")
         ids.update(zip(names, params, strict=True))
         chunk = stored[name].chunks[0]
-        for inner, _ in torch_save.leaves(group):
+        for inner, _ in leaves(group):
             if inner[0] == "_param_names":  # OLMo-core's own bookkeeping, dropped on unshard
                 continue
             record = chunk.record
@@ -263,7 +264,7 @@ def _optim_entries(
             entries[key] = Entry(key, path, "object", (Chunk((), (), leaf, chunk.rank),))
     state = {k: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
     others = {k: v for k, v in tensors.items() if k not in state and k not in groups}
-    info["bookkeeping"] = sorted(k for k in others if k in _BOOKKEEPING)
+    facts["bookkeeping_keys"] = tuple(sorted(k for k in others if k in _BOOKKEEPING))
     for key, entry in _entries(storage, "optim", state, headers).items():
         fqn, _, name = key[len(STATE_PREFIX) :].rpartition(STATE_SEPARATOR)
         if fqn not in ids:

@@ -23,14 +23,17 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
+from ..coverage import check_chunks
 from ..dtypes import DType
-from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
 from ..limits import count_missing, first_missing
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, TensorRef
-from . import legacy, torch_save
 from .detection import Detection, file_location
+from .parts import torch_save_files
+from .parts.rank_sets import RANK_FILE, TRAIN_GROUP, describe_ranks
+from .parts.unfinished import check_olmo_config
 
 NAME = "olmo_local"
 METADATA = "metadata.yaml"
@@ -64,7 +67,7 @@ def detect(storage: Storage) -> Detection | None:
         listing = storage.listdir()
         if METADATA not in listing or listing.get("model") != -1:
             return None
-        ranks = sorted(n for n in storage.listdir("model") if legacy.RANK_FILE.match(n))
+        ranks = sorted(n for n in storage.listdir("model") if RANK_FILE.match(n))
     except MissingFileError:
         return None
     if not ranks:
@@ -78,9 +81,7 @@ def detect(storage: Storage) -> Detection | None:
 def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     """The catalog of an OLMo local checkpoint directory; reads zip directories and pickles."""
     world_size = _world_size(storage)
-    present = {
-        int(m.group(1)) for n in storage.listdir("model") if (m := legacy.RANK_FILE.match(n))
-    }
+    present = {int(m.group(1)) for n in storage.listdir("model") if (m := RANK_FILE.match(n))}
     if len(present) < world_size:  # never enumerate ranks the files cannot back
         missing = ", ".join(
             storage.describe(f"model/rank{r}.pt") for r in first_missing(present, world_size)
@@ -99,8 +100,8 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
             raise MissingFileError(
                 f"{storage.describe(file)}: missing (metadata.yaml says world_size {world_size})"
             )
-    models = torch_save.load_pickles(storage, model_files, sizes, allow=MODEL_GLOBALS)
-    optims = torch_save.load_pickles(storage, optim_files, sizes)
+    models = torch_save_files.load_pickles(storage, model_files, sizes, allow=MODEL_GLOBALS)
+    optims = torch_save_files.load_pickles(storage, optim_files, sizes)
 
     pieces: dict[int, dict[str, tuple[int, int]]] = {}  # rank → fqn → (flat start, numel)
     params = _model_entries([models[f] for f in model_files], pieces)
@@ -111,25 +112,22 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         raise FormatError(
             f"{storage.describe('optim')}: unexpected optimizer state: {exc}"
         ) from exc
-    info: dict[str, Any] = {"world_size": world_size}
-    data_files = [*model_files, *optim_files]
+    builder = CatalogBuilder(NAME)
+    builder.add_files([*model_files, *optim_files])
+    builder.add_all(entries.values(), source=storage.describe())
     if has_train:  # every rank's copy; reads give rank 0's, which OLMo's unsharder keeps
-        ranks = legacy.describe_ranks(storage, train_files, sizes, group=legacy.TRAIN_GROUP)
-        entries.update(ranks.entries)
-        data_files.extend(train_files.values())
-        info["train_files"] = list(train_files.values())
-    note_unfinished(storage, info)
-    return Catalog(NAME, entries, data_files, info)
-
-
-def note_unfinished(storage: Storage, info: dict[str, Any]) -> None:
-    """``info["unfinished"]`` (and a warning) for a ``stepN-tmp`` directory or no config.yaml."""
-    reasons = [legacy.unfinished_name(storage)]
-    if not storage.exists(CONFIG):
-        reasons.append(f"no {CONFIG} (OLMo writes it last)")
-    if any(reasons):
-        info["unfinished"] = "; ".join(r for r in reasons if r)
-        legacy.warn_unfinished(storage, info["unfinished"])
+        ranks = describe_ranks(storage, train_files, sizes, group=TRAIN_GROUP)
+        builder.add_files(train_files.values())
+        builder.add_all(ranks.entries.values(), source=storage.describe("train"))
+    return builder.build(
+        Facts(
+            metadata_files=(METADATA,),
+            config_file=CONFIG if storage.exists(CONFIG) else None,
+            world_size=world_size,
+            rank_files=tuple(train_files.values()) if has_train else (),
+            unfinished=check_olmo_config(storage),
+        )
+    )
 
 
 def _world_size(storage: Storage) -> int:
@@ -149,7 +147,7 @@ def _world_size(storage: Storage) -> int:
 
 
 def _model_entries(
-    models: list[torch_save.Pickled],
+    models: list[torch_save_files.Pickled],
     pieces: dict[int, dict[str, tuple[int, int]]],
 ) -> dict[str, Entry]:
     """Parameter entries keyed by FQN, each with one flat chunk per rank holding a piece of it;
@@ -192,7 +190,7 @@ def _model_entries(
     return entries
 
 
-def _flat_pieces(pickled: torch_save.Pickled):
+def _flat_pieces(pickled: torch_save_files.Pickled):
     """``(fqn, shape, flat shard ref, start in the parameter, offset in the shard, numel)`` for
     every original parameter of every handle of a model rank file (numel 0: not on this rank)."""
     source = pickled.source
@@ -253,27 +251,24 @@ def _shard_ranges(handle: Mapping, count: int, source: str) -> list[tuple[int, i
 
 
 def _sub_record(
-    pickled: torch_save.Pickled, flat: TensorRef, offset: int, numel: int, fqn: str
+    pickled: torch_save_files.Pickled, flat: TensorRef, offset: int, numel: int, fqn: str
 ) -> Record:
     """The RAW record of ``numel`` elements at ``offset`` of a 1-D shard in a torch.save file."""
-    base = torch_save.tensor_record(fqn, flat, pickled.index, pickled.source)
+    base = torch_save_files.tensor_record(fqn, flat, pickled.index, pickled.source)
     itemsize = flat.dtype.itemsize
     return Record(pickled.file, base.offset + offset * itemsize, numel * itemsize, Encoding.RAW)
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], source: str) -> None:
     """The flat pieces of a tensor must cover all of it exactly once."""
-    at = 0
-    for chunk in sorted(chunks, key=lambda c: c.offsets[0]):
-        if chunk.offsets[0] != at:
-            break
-        at += chunk.sizes[0]
-    if at != math.prod(shape) or sum(c.sizes[0] for c in chunks) != at:
+    try:
+        check_chunks(key, shape, chunks)
+    except CoverageError as exc:
         ranks = sorted({c.rank for c in chunks})
-        raise FormatError(
+        raise CoverageError(
             f"{source}: {key!r}: the pieces in rank files {ranks} do not cover its "
-            f"{math.prod(shape)} elements exactly once"
-        )
+            f"{math.prod(shape)} elements exactly once ({exc})"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +276,7 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], source:
 
 
 def _optim_entries(
-    optims: list[torch_save.Pickled],
+    optims: list[torch_save_files.Pickled],
     params: Mapping[str, Entry],
     pieces: Mapping[int, Mapping[str, tuple[int, int]]],
 ) -> dict[str, Entry]:
@@ -314,6 +309,20 @@ def _optim_entries(
                     )
                     path = ("optim", "state", str(pid), str(name))
                     objects[key] = Entry(key, path, "object", (Chunk((), (), record),))
+    entries = _state_entries(found, objects, params, names, optims[0].source)
+    _add_param_groups(optims, entries)
+    return entries
+
+
+def _state_entries(
+    found: Mapping[Any, Mapping[str, list]],
+    objects: Mapping[str, Entry],
+    params: Mapping[str, Entry],
+    names: Mapping[Any, str],
+    source: str,
+) -> dict[str, Entry]:
+    """One entry per ``optim.state.<id>.<name>``: tensors from every rank's pieces (tiling
+    checked), non-tensor values as found."""
     entries: dict[str, Entry] = {}
     for pid, states in found.items():
         for name, stored in states.items():
@@ -324,14 +333,19 @@ def _optim_entries(
             chunks = [chunk for _, chunk in stored]
             flat = {chunk.flat for chunk in chunks}
             if len(flat) != 1:
-                raise FormatError(f"{optims[0].source}: {key!r} is 0-d on some ranks only")
+                raise FormatError(f"{source}: {key!r} is 0-d on some ranks only")
             shape = params[names[pid]].shape if chunks[0].flat else ()
             if chunks[0].flat:
-                _check_tiling(key, shape, chunks, optims[0].source)
+                _check_tiling(key, shape, chunks, source)
             path = ("optim", "state", str(pid), name)
             entries[key] = Entry(key, path, "tensor", tuple(chunks), stored[0][0].dtype, shape)
-    for rank, pickled in enumerate(optims):  # param groups: every rank's (equal) copy
-        for entry in torch_save.pickle_entries(pickled, "optim", exclude=("state",)):
+    return entries
+
+
+def _add_param_groups(optims: list[torch_save_files.Pickled], entries: dict[str, Entry]) -> None:
+    """The optimizer's other leaves (param groups), every rank's (equal) copy a chunk."""
+    for rank, pickled in enumerate(optims):
+        for entry in torch_save_files.pickle_entries(pickled, "optim", exclude=("state",)):
             chunk = Chunk((), (), entry.chunks[0].record, rank)
             if entry.kind != "object":
                 entries.setdefault(entry.key, entry)
@@ -340,11 +354,10 @@ def _optim_entries(
             else:
                 first = entries[entry.key]
                 entries[entry.key] = Entry(first.key, first.path, "object", (*first.chunks, chunk))
-    return entries
 
 
 def _state_chunk(
-    pickled: torch_save.Pickled,
+    pickled: torch_save_files.Pickled,
     rank: int,
     key: str,
     ref: TensorRef,
@@ -353,7 +366,7 @@ def _state_chunk(
     pieces: Mapping[int, Mapping[str, tuple[int, int]]],
 ) -> Chunk:
     """A 0-d value (``step``) as a replica, or a 1-D piece at its parameter's flat range."""
-    record = torch_save.tensor_record(key, ref, pickled.index, pickled.source)
+    record = torch_save_files.tensor_record(key, ref, pickled.index, pickled.source)
     if ref.shape == ():
         return Chunk((), (), record, rank)
     if fqn not in params:
@@ -367,7 +380,7 @@ def _state_chunk(
     return Chunk((start,), (numel,), record, rank, flat=True)
 
 
-def _param_groups(pickled: torch_save.Pickled) -> list:
+def _param_groups(pickled: torch_save_files.Pickled) -> list:
     groups = pickled.value.get("param_groups") if isinstance(pickled.value, Mapping) else None
     if not isinstance(groups, list):
         raise FormatError(f"{pickled.source}: not an optimizer state dict (no param_groups)")

@@ -19,13 +19,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record, pickle_leaf
+from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record, pickle_leaf
 from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
-from ..records import SafetensorsHeader, parse_safetensors_header, safetensors_header_length
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, safe_loads
-from . import torch_save
 from .detection import Detection, file_location
+from .parts import torch_save_files as torch_save
+from .parts.safetensors_files import read_headers
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -57,13 +57,15 @@ def detect(storage: Storage) -> Detection | None:
 def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     """The catalog of the named safetensors ``files`` (an index names its shards) or of a
     whole directory (each file's tensors under its group). Reads headers only."""
-    info: dict[str, Any] = {}
+    facts: dict[str, Any] = {}
+    builder = CatalogBuilder(NAME)
     if files is not None:
         indexes = {n: n[: -len(INDEX_SUFFIX)] for n in files if n.endswith(INDEX_SUFFIX)}
         plain = {n: torch_save.group_of(n) for n in files if not n.endswith(INDEX_SUFFIX)}
         groups, listed = _file_groups(storage, indexes, plain)
-        entries = _describe_safetensors(storage, groups, listed, info)
-        return Catalog(NAME, entries, list(groups), info)
+        builder.add_files(groups)
+        builder.add_all(_describe_safetensors(storage, groups, listed, facts).values())
+        return builder.build(Facts(metadata_files=tuple(indexes), **facts))
 
     listing = storage.listdir()
     indexes = {n: n[: -len(INDEX_SUFFIX)] for n in sorted(listing) if n.endswith(INDEX_SUFFIX)}
@@ -73,13 +75,12 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         if name.endswith(SUFFIX) and size >= 0
     }
     groups, listed = _file_groups(storage, indexes, plain)
-    entries = _describe_safetensors(storage, groups, listed, info)
-    pickled = _torch_save_files(storage, listing, set(groups.values()), info)
-    for key, entry in torch_save.describe_files(storage, pickled, listing).items():
-        if key in entries:
-            raise FormatError(f"{storage.describe()}: {key!r} is in safetensors and torch.save")
-        entries[key] = entry
-    return Catalog(NAME, entries, [*groups, *pickled], info)
+    pickled = _torch_save_files(storage, listing, set(groups.values()), facts)
+    builder.add_files([*groups, *pickled])
+    source = storage.describe()
+    builder.add_all(_describe_safetensors(storage, groups, listed, facts).values(), source=source)
+    builder.add_all(torch_save.describe_files(storage, pickled, listing).values(), source=source)
+    return builder.build(Facts(metadata_files=tuple(indexes), **facts))
 
 
 def _file_groups(
@@ -101,10 +102,10 @@ def _file_groups(
 
 
 def _torch_save_files(
-    storage: Storage, listing: Mapping[str, int], held: set[str], info: dict[str, Any]
+    storage: Storage, listing: Mapping[str, int], held: set[str], facts: dict[str, Any]
 ) -> dict[str, str]:
     """torch.save zips to describe next to safetensors: ckptkit's ``<group>.objects.pt`` side
-    files and groups no safetensors file holds; the others are noted in ``info["skipped"]``."""
+    files and groups no safetensors file holds; the others go to ``facts["skipped_files"]``."""
     candidates = {
         name: size
         for name, size in sorted(listing.items())
@@ -123,7 +124,7 @@ def _torch_save_files(
         elif kind == "legacy":
             skipped[name] = "legacy (pre-1.6) torch.save format"
     if skipped:
-        info["skipped"] = skipped
+        facts["skipped_files"] = skipped
     return files
 
 
@@ -145,11 +146,10 @@ def _describe_safetensors(
     storage: Storage,
     groups: Mapping[str, str],
     listed: Mapping[str, str],
-    info: dict[str, Any],
+    facts: dict[str, Any],
 ) -> dict[str, Entry]:
     """Entries of safetensors files, each tensor keyed ``<group>.<name>``; headers are read in
-    two batched rounds. Every key an index
-    ``listed`` must be found."""
+    two batched rounds. Every key an index ``listed`` must be found."""
     files = list(groups)
     sizes = storage.sizes(files)
     for file in files:
@@ -159,14 +159,14 @@ def _describe_safetensors(
     entries: dict[str, Entry] = {}
     held: set[str] = set()  # <group>.<name as stored>, for the index check
     pending: list[tuple[tuple, Record]] = []  # OLMo's pickled values, decoded below
-    metadata = info.setdefault("metadata", {})
+    metadata = facts.setdefault("header_metadata", {})
     for file, header in headers.items():
         source = storage.describe(file)
         metadata[file] = header.metadata
         group = groups[file]
         olmo = olmo_keys(header.tensors, source)
         if olmo:
-            info.setdefault("olmo_base64_keys", []).append(file)
+            facts["base64_key_files"] = (*facts.get("base64_key_files", ()), file)
         for name, (dt, shape, begin, end) in header.tensors.items():
             held.add(f"{group}.{name}")
             path, pickled = olmo[name] if olmo else ((name,), False)
@@ -174,15 +174,7 @@ def _describe_safetensors(
             key = ".".join(map(str, path))
             if key in entries:
                 raise FormatError(f"{source}: tensor {key!r} is also in another file")
-            if not 0 <= begin <= end or header.data_start + end > sizes[file]:
-                raise CorruptRecordError(
-                    f"{source}: {name!r} bytes [{begin}, {end}) lie outside the file"
-                )
-            if end - begin != math.prod(shape) * dt.itemsize:
-                raise CorruptRecordError(
-                    f"{source}: {name!r} has {end - begin} bytes, {dt.name}{list(shape)} needs "
-                    f"{math.prod(shape) * dt.itemsize}"
-                )
+            _check_range(source, name, dt, shape, begin, end, header.data_start, sizes[file])
             if pickled:  # OLMo: a uint8 tensor holding pickle.dumps of a non-tensor value
                 record = Record(file, header.data_start + begin, end - begin, Encoding.PICKLE_BYTES)
                 pending.append((path, record))
@@ -204,6 +196,19 @@ def _describe_safetensors(
             f"{storage.describe(listed[missing[0]])}: lists {missing[0]!r}, which no shard holds"
         )
     return entries
+
+
+def _check_range(
+    source: str, name: str, dt: Any, shape: tuple, begin: int, end: int, start: int, size: int
+) -> None:
+    """A header's byte range must lie in the file and hold exactly its dtype and shape."""
+    if not 0 <= begin <= end or start + end > size:
+        raise CorruptRecordError(f"{source}: {name!r} bytes [{begin}, {end}) lie outside the file")
+    if end - begin != math.prod(shape) * dt.itemsize:
+        raise CorruptRecordError(
+            f"{source}: {name!r} has {end - begin} bytes, {dt.name}{list(shape)} needs "
+            f"{math.prod(shape) * dt.itemsize}"
+        )
 
 
 def olmo_keys(tensors: Mapping[str, Any], source: str) -> dict[str, tuple[tuple, bool]] | None:
@@ -233,20 +238,6 @@ def olmo_keys(tensors: Mapping[str, Any], source: str) -> dict[str, tuple[tuple,
             return None
         decoded[name] = (tuple(str(part) for part in value[0]), value[1])
     return decoded or None
-
-
-def read_headers(storage: Storage, files: list[str]) -> dict[str, SafetensorsHeader]:
-    """Each safetensors file's parsed header, in two batched rounds of range reads."""
-    prefixes = storage.read_ranges([(file, 0, 8) for file in files])
-    lengths = [
-        safetensors_header_length(prefix, storage.describe(file))
-        for file, prefix in zip(files, prefixes, strict=True)
-    ]
-    raws = storage.read_ranges([(file, 8, 8 + n) for file, n in zip(files, lengths, strict=True)])
-    return {
-        file: parse_safetensors_header(raw, storage.describe(file))
-        for file, raw in zip(files, raws, strict=True)
-    }
 
 
 def _pickled_entries(storage: Storage, pending: list[tuple[tuple, Record]]) -> dict[str, Entry]:

@@ -46,25 +46,20 @@ from __future__ import annotations
 import math
 import posixpath
 import re
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import Catalog, Chunk, Entry, pickle_leaf
-from ..dtypes import DType
-from ..errors import CoverageError, FormatError, MissingFileError, UnsafePickleError
-from ..limits import count_missing, first_missing, ranks_text
-from ..storage import Storage
-from ..unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
-from . import dcp
-from .detection import Detection, file_location
-from .torch_save import Pickled, leaves, load_pickles, tensor_record
+from ...catalog import Chunk, Entry, pickle_leaf
+from ...dtypes import DType
+from ...errors import CoverageError, FormatError, UnsafePickleError
+from ...limits import count_missing, first_missing, ranks_text
+from ...storage import Storage
+from ...unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
+from .dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
+from .torch_save_files import Pickled, leaves, load_pickles, tensor_record
 
-NAME = "legacy"
 RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
-#: OLMo writes its run config beside the rank files (rank 0, after them).
-CONFIG_FILE = "config.yaml"
 #: Top-level keys that are groups of their own; every other top-level key is trainer state.
 STATE_GROUPS = ("model", "optim")
 TRAIN_GROUP = "train"
@@ -280,7 +275,7 @@ def _allowed_globals() -> dict[str, Any]:
     }
     for name in ("TensorProperties", "MEM_FORMAT_ENCODING"):  # the classes DCP's metadata names
         full = f"torch.distributed._shard.sharded_tensor.metadata.{name}"
-        allow[full] = dcp.ALLOWED_GLOBALS[full]
+        allow[full] = DCP_GLOBALS[full]
     # DTensor classes: torch >= 2.5 spells them under torch.distributed.tensor, older releases
     # under torch.distributed._tensor.
     for module in ("torch.distributed.tensor", "torch.distributed._tensor.api"):
@@ -310,7 +305,7 @@ def _allowed_globals() -> dict[str, Any]:
 ALLOWED_GLOBALS = _allowed_globals()
 
 # --------------------------------------------------------------------------------------------
-# Detection.
+# Finding the rank files.
 
 
 def rank_files(storage: Storage, listing: Mapping[str, int], prefix: str = "") -> dict[int, str]:
@@ -329,70 +324,6 @@ def rank_files(storage: Storage, listing: Mapping[str, int], prefix: str = "") -
             )
         found[rank] = name
     return {rank: prefix + found[rank] for rank in sorted(found)}
-
-
-def detect(storage: Storage) -> Detection | None:
-    """Legacy per-rank files when the directory holds ``rank{N}.pt`` files (or one is named)."""
-    located = file_location(storage)
-    if located is not None:
-        parent, name = located
-        if not RANK_FILE.match(name):
-            return None
-        return Detection(
-            NAME, parent, [f"{name} is one rank's file; the whole set beside it is opened"]
-        )
-    try:
-        listing = storage.listdir()
-    except MissingFileError:
-        return None
-    names = [name for name in listing if RANK_FILE.match(name) and listing[name] >= 0]
-    if not names:
-        return None
-    names.sort(key=lambda name: int(RANK_FILE.match(name).group(1)))
-    shown = ", ".join(names[:3]) + (f" … {names[-1]}" if len(names) > 3 else "")
-    evidence = [f"per-rank torch.save files {shown}"]
-    if CONFIG_FILE in listing:
-        evidence.append(f"{CONFIG_FILE} (OLMo)")
-    return Detection(NAME, storage, evidence)
-
-
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
-    """One catalog over every ``rank{N}.pt`` in the directory (``files`` is ignored: one rank
-    of a sharded set cannot be read on its own)."""
-    listing = storage.listdir()
-    by_rank = rank_files(storage, listing)
-    if not by_rank:
-        raise FormatError(f"{storage.describe()}: no rank{{N}}.pt files")
-    ranks = describe_ranks(storage, by_rank, {name: listing[name] for name in by_rank.values()})
-    info: dict[str, Any] = {"world_size": ranks.world_size, "rank_files": list(by_rank.values())}
-    if ranks.sharding:
-        info["sharding"] = ranks.sharding
-    if CONFIG_FILE in listing:
-        info["config_file"] = CONFIG_FILE
-    unfinished = unfinished_name(storage)
-    if unfinished:
-        info["unfinished"] = unfinished
-        warn_unfinished(storage, unfinished)
-    return Catalog(
-        NAME, ranks.entries, list(by_rank.values()), info, object_globals=ALLOWED_GLOBALS
-    )
-
-
-def unfinished_name(storage: Storage) -> str | None:
-    """Why the directory's name says the save did not finish (OLMo and OLMo-core save into
-    ``stepN-tmp`` and rename it when done), or None."""
-    name = posixpath.basename(storage.root.rstrip("/"))
-    if name.endswith("-tmp"):
-        return f"the directory is named {name!r}: a save still in progress or interrupted"
-    return None
-
-
-def warn_unfinished(storage: Storage, reason: str) -> None:
-    """Warn that ``storage`` holds an unfinished save (the warning names the directory)."""
-    warnings.warn(
-        f"{storage.describe()}: unfinished checkpoint ({reason}); opened what is there",
-        stacklevel=5,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,23 +459,8 @@ class _Builder:
             raise FormatError(f"{source}: ShardedTensor dtype {dtype!r} / {st.dtype!r} unknown")
         if st.shape != shape:
             raise FormatError(f"{source}: ShardedTensor size {st.shape} != metadata {shape}")
-        local_rank = rank
         pg = st.pg_state
-        if isinstance(pg, _ProcessGroupState):
-            global_rank, local_rank = pg.get("global_rank"), pg.get("local_rank")
-            world = pg.get("global_world_size")
-            if (
-                type(global_rank) is not int
-                or type(local_rank) is not int
-                or type(world) is not int
-            ):
-                raise FormatError(f"{source}: malformed ShardedTensor process-group state")
-            if global_rank != rank:
-                raise CoverageError(
-                    f"{pickled.source}: holds rank {global_rank}'s shards, not rank {rank}'s "
-                    "(a duplicated or renamed rank file?)"
-                )
-            self.world_sizes.setdefault(world, f"ShardedTensor process group in {pickled.file}")
+        local_rank = self._process_group(pg, rank, pickled, source)
         expected = []
         shards = meta.get("shards_metadata")
         if not isinstance(shards, list):
@@ -560,27 +476,28 @@ class _Builder:
                 self.world_sizes.setdefault(
                     max(known) + 1, f"ShardedTensor placements in {pickled.file}"
                 )
-        chunks = []
-        for shard in st.local_shards or ():
-            if not isinstance(shard, _Shard):
-                raise FormatError(f"{source}: local shard is {_name(shard)}, not a Shard")
-            offsets, sizes, placed = _shard_box(shard.get("metadata"), shape, source)
-            if placed is not None and placed != local_rank:
-                raise CoverageError(
-                    f"{pickled.source}: holds the shard placed on rank {placed} of {key!r}, "
-                    f"not rank {local_rank}'s (a duplicated or renamed rank file?)"
-                )
-            tensor = shard.get("tensor")
-            if not isinstance(tensor, TensorRef):
-                raise FormatError(f"{source}: local shard holds {_name(tensor)}, not a tensor")
-            if tensor.shape != sizes or tensor.dtype != dtype:
-                raise FormatError(
-                    f"{source}: local shard is {_what('tensor', tensor.dtype, tensor.shape)}, "
-                    f"its metadata says {_what('tensor', dtype, sizes)}"
-                )
-            record = tensor_record(key, tensor, pickled.index, pickled.source)
-            chunks.append(Chunk(offsets, sizes, record, rank))
+        chunks = [
+            _local_shard(key, shard, shape, dtype, rank, local_rank, pickled)
+            for shard in st.local_shards or ()
+        ]
         return dtype, shape, chunks, tuple(sorted(expected))
+
+    def _process_group(self, pg: Any, rank: int, pickled: Pickled, source: str) -> int:
+        """The writer's local rank from a ShardedTensor's process-group state (checked against
+        the file's rank; its world size noted), or ``rank`` when there is none."""
+        if not isinstance(pg, _ProcessGroupState):
+            return rank
+        global_rank, local_rank = pg.get("global_rank"), pg.get("local_rank")
+        world = pg.get("global_world_size")
+        if type(global_rank) is not int or type(local_rank) is not int or type(world) is not int:
+            raise FormatError(f"{source}: malformed ShardedTensor process-group state")
+        if global_rank != rank:
+            raise CoverageError(
+                f"{pickled.source}: holds rank {global_rank}'s shards, not rank {rank}'s "
+                "(a duplicated or renamed rank file?)"
+            )
+        self.world_sizes.setdefault(world, f"ShardedTensor process group in {pickled.file}")
+        return local_rank
 
     def _dtensor(self, key: str, dt: _DTensor, rank: int, pickled: Pickled):
         source = f"{pickled.source}: {key!r}"
@@ -695,6 +612,37 @@ def _grouped_leaves(
             yield (TRAIN_GROUP, *inner), inner, leaf
         else:
             yield (bare_group, *inner), inner, leaf
+
+
+def _local_shard(
+    key: str,
+    shard: Any,
+    shape: tuple[int, ...],
+    dtype: DType,
+    rank: int,
+    local_rank: int,
+    pickled: Pickled,
+) -> Chunk:
+    """The chunk of one local ``Shard`` of a ShardedTensor, checked against its metadata."""
+    source = f"{pickled.source}: {key!r}"
+    if not isinstance(shard, _Shard):
+        raise FormatError(f"{source}: local shard is {_name(shard)}, not a Shard")
+    offsets, sizes, placed = _shard_box(shard.get("metadata"), shape, source)
+    if placed is not None and placed != local_rank:
+        raise CoverageError(
+            f"{pickled.source}: holds the shard placed on rank {placed} of {key!r}, "
+            f"not rank {local_rank}'s (a duplicated or renamed rank file?)"
+        )
+    tensor = shard.get("tensor")
+    if not isinstance(tensor, TensorRef):
+        raise FormatError(f"{source}: local shard holds {_name(tensor)}, not a tensor")
+    if tensor.shape != sizes or tensor.dtype != dtype:
+        raise FormatError(
+            f"{source}: local shard is {_what('tensor', tensor.dtype, tensor.shape)}, "
+            f"its metadata says {_what('tensor', dtype, sizes)}"
+        )
+    record = tensor_record(key, tensor, pickled.index, pickled.source)
+    return Chunk(offsets, sizes, record, rank)
 
 
 def _is_sharded(leaf: Any) -> bool:

@@ -19,16 +19,16 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
 
-from ..catalog import Catalog, Chunk, Encoding, Entry, Record
+from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
+from ..coverage import check_chunks
 from ..dtypes import DType
-from ..errors import CorruptRecordError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
 from ..limits import first_missing
 from ..records import SafetensorsHeader
 from ..storage import Storage
-from . import safetensors
 from .detection import Detection, file_location
+from .parts.safetensors_files import read_headers
 
 NAME = "hf_dcp_sharded"
 SHARDED_DIR = "sharded"
@@ -55,7 +55,7 @@ def detect(storage: Storage) -> Detection | None:
     if not shards:
         return None
     first = next(iter(shards))
-    (header,) = safetensors.read_headers(storage, [first]).values()
+    (header,) = read_headers(storage, [first]).values()
     if SHARDING_INFO not in header.metadata:
         return None
     return Detection(
@@ -75,7 +75,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         example = next(iter(shards))
         name = f"shard-{gap + 1:05d}-" + example.split("-", 2)[2]
         raise MissingFileError(f"{storage.describe(name)}: missing (rank {gap}'s shard)")
-    headers = safetensors.read_headers(storage, list(shards))
+    headers = read_headers(storage, list(shards))
     consolidated = _consolidated_shapes(storage)
     boxes: dict[str, list[Chunk]] = {}
     kinds: dict[str, tuple[DType, str]] = {}  # key → dtype, the first file holding it
@@ -110,16 +110,11 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         shape = _global_shape(key, chunks, storage.describe(first), consolidated.get(key))
         path = tuple(key.split(".", 1))
         entries[key] = Entry(key, path, "tensor", tuple(chunks), dt, shape)
-    info: dict[str, Any] = {
-        "ranks": len(shards),
-        "global_shape": (
-            "from the consolidated files' headers"
-            if consolidated
-            else "largest saved_offsets + local shape per dimension over the shards"
-        ),
-        "metadata": {file: header.metadata for file, header in headers.items()},
-    }
-    return Catalog(NAME, entries, list(headers), info)
+    builder = CatalogBuilder(NAME)
+    builder.add_files(headers)
+    builder.add_all(entries.values(), source=storage.describe())
+    metadata = {file: header.metadata for file, header in headers.items()}
+    return builder.build(Facts(world_size=len(numbers), header_metadata=metadata))
 
 
 def _shards(listing: Mapping[str, int]) -> dict[str, tuple[int, str]]:
@@ -166,7 +161,7 @@ def _consolidated_shapes(storage: Storage) -> dict[str, tuple[int, ...]]:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{source}: not a safetensors index: {exc}") from exc
     shapes = {}
-    for file, header in safetensors.read_headers(parent, sorted(files)).items():
+    for file, header in read_headers(parent, sorted(files)).items():
         for fqn, (_, shape, _, _) in header.tensors.items():
             shapes[f"{files[file]}.{fqn}"] = shape
     return shapes
@@ -185,16 +180,12 @@ def _global_shape(
         shape = tuple(
             max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes))
         )
-    distinct = {(c.offsets, c.sizes) for c in chunks}
-    covered = sum(math.prod(sizes) for _, sizes in distinct)
-    inside = all(
-        len(offsets) == len(shape)
-        and all(o >= 0 and o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True))
-        for offsets, sizes in distinct
-    )
-    if covered != math.prod(shape) or not inside:
-        raise FormatError(
-            f"{source}: {key!r}: the shards' boxes cover {covered} of the {math.prod(shape)} "
-            f"elements of {list(shape)} (a missing or overlapping shard)"
-        )
+    distinct = list({(c.offsets, c.sizes): c for c in chunks}.values())
+    try:
+        check_chunks(key, shape, distinct)
+    except CoverageError as exc:
+        raise CoverageError(
+            f"{source}: {key!r}: the shards' boxes do not cover the {math.prod(shape)} elements "
+            f"of {list(shape)} exactly once (a missing or overlapping shard): {exc}"
+        ) from None
     return shape

@@ -1,0 +1,445 @@
+"""DCP metadata (``.metadata``, or the rank-local ``__R.metadata`` set written with
+``use_collectives=False``) read through the safe unpickler with plain stand-ins for torch's
+classes, as entries → chunks → records. Never reads a data file.
+
+Shared by the ``dcp`` adapter and OLMo step directories (``olmo_dcp``), whose DCP sits in
+``model_and_optim/``: there every record's file is built with that prefix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import reprlib
+from typing import Any
+
+from ...catalog import Chunk, Encoding, Entry, Record
+from ...dtypes import DType
+from ...errors import CorruptRecordError, FormatError, MissingFileError, UnsafePathError
+from ...pickle_limits import METADATA_LIMITS
+from ...storage import Storage
+from ...unpickler import COMMON_GLOBALS, paused_gc, safe_loads
+
+METADATA = ".metadata"
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_TRANSFORMS = {"stream.zstd/1": "zstd"}
+
+
+class _Stub:
+    """A torch metadata class stand-in that keeps its pickled state as it is."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = _as_dict(state)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        state = self.state
+        return state.get(name, default) if isinstance(state, dict) else default
+
+
+def _as_dict(state: Any) -> Any:
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        return {**(state[0] or {}), **state[1]}  # the (dict, slots) form
+    return state
+
+
+def _state_dict(state: Any, what: str) -> dict:
+    state = _as_dict(state)
+    if not isinstance(state, dict):
+        raise CorruptRecordError(f"{what} state is not a dict")
+    return state
+
+
+class _Metadata(_Stub):
+    __slots__ = ()
+
+
+class _TensorStorageMetadata(_Stub):
+    __slots__ = ()
+
+
+class _BytesStorageMetadata(_Stub):
+    __slots__ = ()
+
+
+class _StorageMeta(_Stub):
+    __slots__ = ()
+
+
+class _TensorProperties(_Stub):
+    """Pickled as a tuple ``(dtype, layout, requires_grad, memory_format, pin_memory)``."""
+
+    __slots__ = ()
+
+    @property
+    def dtype(self) -> Any:
+        state = self.state
+        return state[0] if isinstance(state, tuple) and state else self.get("dtype")
+
+
+# The three classes below exist once per chunk (500k at scale). They take their fields out of
+# the pickled state dict and empty it, since the unpickler's memo keeps that dict alive; the
+# chunk and storage-info stand-ins *are* the catalog's Chunk and Record, so nothing is copied.
+
+
+class _ChunkStorageMetadata(Chunk):
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        try:
+            self.offsets, self.sizes = state["offsets"], state["sizes"]
+            state.clear()
+        except (KeyError, TypeError, AttributeError):
+            state = _state_dict(state, "ChunkStorageMetadata")
+            self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
+        self.record = self.rank = None
+        self.flat = False
+
+
+class _StorageInfo(Record):
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        try:
+            self.file, self.offset, self.length = (
+                state["relative_path"],
+                state["offset"],
+                state["length"],
+            )
+            descriptors = state.get("transform_descriptors")
+            state.clear()
+        except (KeyError, TypeError, AttributeError):
+            state = _state_dict(state, "_StorageInfo")
+            self.file, self.offset, self.length = (
+                state.get("relative_path"),
+                state.get("offset"),
+                state.get("length"),
+            )
+            descriptors = state.get("transform_descriptors")
+        self.transform = (
+            "+".join(_TRANSFORMS.get(d, str(d)) for d in descriptors) if descriptors else None
+        )
+        self.encoding = Encoding.TORCH_SAVE
+        self.name = self.stride = self.crc32 = None
+        self.storage_offset = 0
+
+
+class _MetadataIndex:
+    __slots__ = ("fqn", "offset", "index")
+
+    def __setstate__(self, state: Any) -> None:
+        try:
+            self.fqn, self.offset, self.index = (
+                state["fqn"],
+                state.get("offset"),
+                state.get("index"),
+            )
+            state.clear()
+        except (KeyError, TypeError, AttributeError):
+            state = _state_dict(state, "MetadataIndex")
+            self.fqn, self.offset, self.index = (
+                state.get("fqn"),
+                state.get("offset"),
+                state.get("index"),
+            )
+
+
+def _memory_format(value: int) -> str:
+    names = ("contiguous_format", "channels_last", "preserve_format")
+    if not isinstance(value, int) or not 0 <= value < len(names):
+        raise CorruptRecordError(f"unknown memory-format code {value!r}")
+    return names[value]
+
+
+def _dcp_globals() -> dict[str, Any]:
+    classes = {
+        "Metadata": _Metadata,
+        "TensorStorageMetadata": _TensorStorageMetadata,
+        "BytesStorageMetadata": _BytesStorageMetadata,
+        "ChunkStorageMetadata": _ChunkStorageMetadata,
+        "TensorProperties": _TensorProperties,
+        "MetadataIndex": _MetadataIndex,
+        "StorageMeta": _StorageMeta,
+    }
+    allow: dict[str, Any] = dict(COMMON_GLOBALS)
+    for module in (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed._shard.checkpoint.metadata",  # torch 1.13
+    ):
+        allow.update({f"{module}.{name}": cls for name, cls in classes.items()})
+        allow[f"{module}._MEM_FORMAT_ENCODING"] = _memory_format
+    for module in (
+        "torch.distributed._shard.sharded_tensor.metadata",  # torch <= 2.2
+        "torch.distributed._shard.checkpoint.metadata",
+    ):
+        allow[f"{module}.TensorProperties"] = _TensorProperties
+        allow[f"{module}.MEM_FORMAT_ENCODING"] = _memory_format
+    for module in (
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed._shard.checkpoint.filesystem",
+        "olmo_core.distributed.checkpoint.filesystem",  # OLMo-core's own copy
+    ):
+        allow[f"{module}._StorageInfo"] = _StorageInfo
+    return allow
+
+
+ALLOWED_GLOBALS = _dcp_globals()
+
+
+def metadata_files(storage: Storage) -> list[tuple[str, int | None]]:
+    """The metadata file(s) of the DCP at ``storage`` with the rank each describes (None: all)."""
+    if storage.exists(METADATA):
+        return [(METADATA, None)]
+    return sorted(
+        ((name, int(m.group(1))) for name in storage.listdir() if (m := RANK_METADATA.match(name))),
+        key=lambda item: item[1],
+    )
+
+
+def read_dcp(storage: Storage, prefix: str = "") -> tuple[list[Entry], list[str], dict[str, Any]]:
+    """The entries of the DCP at ``storage`` from its metadata alone, its data files, and its
+    facts (``metadata_files``, ``version``, ``checkpoint_id``, ``save_id``). ``prefix`` is put
+    before every file name (records, data and metadata files), for a DCP in a step directory."""
+    sources = metadata_files(storage)
+    if not sources:
+        raise MissingFileError(
+            f"{storage.describe(METADATA)}: no such file: the .distcp data files are "
+            "there but the metadata is not (an interrupted save, or an incomplete copy)"
+        )
+    union = _MetadataUnion(storage, prefix)
+    with paused_gc():
+        for name, rank in sources:
+            union.add(name, _load_metadata(storage, name), rank)
+        return union.entries(), list(union.files.values()), union.facts
+
+
+def _load_metadata(storage: Storage, name: str) -> _Metadata:
+    source = storage.describe(name)
+    with storage.open_sequential(name, max_bytes=METADATA_LIMITS.max_bytes) as stream:
+        metadata = safe_loads(stream, allow=ALLOWED_GLOBALS, source=source, limits=METADATA_LIMITS)
+    if not isinstance(metadata, _Metadata) or not isinstance(
+        metadata.get("state_dict_metadata"), dict
+    ):
+        raise FormatError(f"{source}: not a DCP Metadata object ({type(metadata).__name__})")
+    return metadata
+
+
+class _MetadataUnion:
+    """Accumulates entries from one or more metadata files (rank-local sets are unioned)."""
+
+    def __init__(self, storage: Storage, prefix: str) -> None:
+        self.storage = storage
+        self.prefix = prefix
+        self.chunks: dict[str, list[Chunk]] = {}
+        self.kinds: dict[str, tuple[str, DType | None, tuple[int, ...] | None]] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}
+        self.files: dict[str, str] = {}  # data file as the metadata names it → as recorded
+        self.facts: dict[str, Any] = {"metadata_files": ()}
+
+    def add(self, name: str, metadata: _Metadata, metadata_rank: int | None) -> None:
+        """Union the items of one metadata file (``metadata_rank``: the rank it describes)."""
+        source = self.storage.describe(name)
+        self._note_facts(name, metadata)
+        tensor_chunks = self._declare(metadata, source)
+        storage_data = metadata.get("storage_data") or {}
+        if not isinstance(storage_data, dict):
+            raise FormatError(f"{source}: storage_data is not a mapping")
+        self._attach(storage_data, tensor_chunks, metadata_rank, source)
+        self._close(tensor_chunks, metadata_rank, source)
+
+    def _note_facts(self, name: str, metadata: _Metadata) -> None:
+        self.facts["metadata_files"] += (self.prefix + name,)
+        self.facts.setdefault("version", _text(metadata.get("version")))
+        storage_meta = metadata.get("storage_meta")
+        if isinstance(storage_meta, _StorageMeta) and "save_id" not in self.facts:
+            self.facts["checkpoint_id"] = _text(storage_meta.get("checkpoint_id"))
+            self.facts["save_id"] = _text(storage_meta.get("save_id"))
+
+    def _declare(self, metadata: _Metadata, source: str) -> dict[str, list[Chunk]]:
+        """Every key's path and kind (dtype, shape); this file's chunks of each tensor."""
+        planner_data = metadata.get("planner_data")
+        if not isinstance(planner_data, dict):
+            planner_data = {}
+        tensor_chunks: dict[str, list[Chunk]] = {}
+        for fqn, item in metadata.get("state_dict_metadata").items():
+            if not isinstance(fqn, str):
+                raise FormatError(f"{source}: non-string key {fqn!r}")
+            path = planner_data.get(fqn)
+            if not (isinstance(path, tuple | list) and path and all(map(_is_part, path))):
+                path = (fqn,)
+            self.paths.setdefault(fqn, tuple(path))
+            if isinstance(item, _BytesStorageMetadata):
+                self._kind(fqn, ("object", None, None), source)
+            elif isinstance(item, _TensorStorageMetadata):
+                tensor_chunks[fqn] = self._tensor(fqn, item, source)
+            else:
+                raise FormatError(
+                    f"{source}: {fqn!r} has unknown storage metadata {type(item).__name__}"
+                )
+            self.chunks.setdefault(fqn, [])
+        return tensor_chunks
+
+    def _tensor(self, fqn: str, item: _TensorStorageMetadata, source: str) -> list[Chunk]:
+        properties = item.get("properties")
+        dtype = properties.dtype if isinstance(properties, _TensorProperties) else None
+        if not isinstance(dtype, DType):
+            raise FormatError(f"{source}: tensor {fqn!r} has no known dtype ({dtype!r})")
+        shape = item.get("size")
+        if not _is_box(shape, None):
+            raise FormatError(f"{source}: tensor {fqn!r} has a malformed size {shape!r}")
+        self._kind(fqn, ("tensor", dtype, shape), source)
+        chunks = item.get("chunks") or []
+        for chunk in chunks:
+            if not isinstance(chunk, _ChunkStorageMetadata) or not (
+                _is_box(chunk.offsets, len(shape)) and _is_box(chunk.sizes, len(shape))
+            ):
+                raise FormatError(f"{source}: tensor {fqn!r} has a malformed chunk")
+        return chunks
+
+    def _attach(
+        self,
+        storage_data: dict,
+        tensor_chunks: dict[str, list[Chunk]],
+        metadata_rank: int | None,
+        source: str,
+    ) -> None:
+        """Give every chunk (and object) its record; the record's file, rank and encoding are
+        settled here, as the record is built. Hot at scale: one pass, no call per record on
+        the common path."""
+        ranks: dict[str, int | None] = {}
+        by_offsets: dict[str, dict[tuple[int, ...], Chunk]] = {}
+        for index, info in storage_data.items():
+            if not isinstance(index, _MetadataIndex) or not isinstance(info, _StorageInfo):
+                raise FormatError(f"{source}: malformed storage_data entry")
+            fqn = index.fqn
+            if not _is_record(fqn, info):
+                raise FormatError(f"{source}: {fqn!r} has a malformed storage record")
+            rank = ranks.get(info.file, -1)
+            if rank == -1:
+                _check_file_name(self.storage, source, fqn, info.file)
+                rank = ranks[info.file] = _rank(info.file, metadata_rank)
+                self.files.setdefault(info.file, self.prefix + info.file)
+            if self.prefix:  # the record is built relative to the step directory
+                info.file = self.files[info.file]
+            if index.offset is None:  # an object
+                if self.kinds.get(fqn, ("",))[0] != "object":
+                    raise FormatError(f"{source}: storage record for unknown object {fqn!r}")
+                self.chunks[fqn].append(Chunk((), (), info, rank))
+                continue
+            chunks = tensor_chunks.get(fqn)
+            if chunks is None:
+                raise FormatError(f"{source}: storage record for unknown tensor {fqn!r}")
+            position = index.index
+            if (
+                type(position) is int
+                and 0 <= position < len(chunks)
+                and chunks[position].offsets == index.offset
+            ):
+                chunk = chunks[position]
+            else:  # no usable index hint: look the chunk up by its offsets
+                chunk = self._chunk_at(fqn, index, chunks, by_offsets, source)
+            chunk.record, chunk.rank = info, rank
+            # SerializationFormat.SAFETENSORS: the record is the file's safetensors blob and its
+            # length is the chunk's element bytes, which no torch.save zip record can be.
+            nbytes = math.prod(chunk.sizes) * self.kinds[fqn][1].itemsize
+            if info.transform is None and info.length == nbytes:
+                info.encoding, info.name = Encoding.SAFETENSORS, fqn
+
+    def _chunk_at(
+        self, fqn: str, index: _MetadataIndex, chunks: list[Chunk], by_offsets: dict, source: str
+    ) -> Chunk:
+        """The chunk of ``fqn`` a record's offsets name (when its index hint does not fit)."""
+        if fqn not in by_offsets:
+            by_offsets[fqn] = {c.offsets: c for c in chunks}
+        offset = index.offset
+        offset = tuple(offset) if isinstance(offset, list | tuple) else None
+        chunk = by_offsets[fqn].get(offset) if _is_box(offset, len(self.kinds[fqn][2])) else None
+        if chunk is None:
+            raise FormatError(
+                f"{source}: {fqn!r} has a record for no chunk ({reprlib.repr(index.offset)})"
+            )
+        return chunk
+
+    def _close(
+        self, tensor_chunks: dict[str, list[Chunk]], metadata_rank: int | None, source: str
+    ) -> None:
+        """Every chunk with elements has a record; every object one at least."""
+        for fqn, chunks in tensor_chunks.items():
+            for chunk in chunks:
+                if chunk.record is None:
+                    if 0 not in chunk.sizes:  # an empty chunk is listed but never written
+                        raise FormatError(
+                            f"{source}: {fqn!r} chunk at {list(chunk.offsets)} has no storage record"
+                        )
+                    chunk.rank = metadata_rank
+            self.chunks[fqn].extend(chunks)
+        for fqn, (kind, _, _) in self.kinds.items():
+            if kind == "object" and not self.chunks[fqn]:
+                raise FormatError(f"{source}: object {fqn!r} has no storage record")
+
+    def _kind(self, fqn: str, kind: tuple, source: str) -> None:
+        known = self.kinds.setdefault(fqn, kind)
+        if known != kind:
+            raise FormatError(
+                f"{source}: {fqn!r} is described differently by another metadata file"
+            )
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for fqn, chunks in self.chunks.items():
+            kind, dtype, shape = self.kinds[fqn]
+            out.append(Entry(fqn, self.paths[fqn], kind, tuple(chunks), dtype, shape))
+        return out
+
+
+def _check_file_name(storage: Storage, source: str, fqn: str, name: str) -> None:
+    """Refuse a storage record naming a file outside the checkpoint, naming the entry."""
+    try:
+        storage.path(name)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{source}: {fqn!r} has a record in {name!r}: {exc}") from None
+
+
+def _is_record(fqn: Any, info: _StorageInfo) -> bool:
+    """A storage item's key and record fields have the types and signs they must."""
+    return (
+        type(fqn) is str
+        and isinstance(info.file, str)
+        and type(info.offset) is int
+        and type(info.length) is int
+        and info.offset >= 0
+        and info.length >= 0
+    )
+
+
+def _is_box(value: Any, ndim: int | None) -> bool:
+    """A tuple of non-negative ints (of length ``ndim`` when given). Called for every chunk, so
+    it leans on C builtins: a float or a string anywhere makes the sum fail to be an int."""
+    if type(value) is not tuple or (ndim is not None and len(value) != ndim):
+        return False
+    try:
+        return not value or (type(sum(value)) is int and min(value) >= 0)
+    except TypeError:
+        return False
+
+
+def _text(value: Any) -> str | None:
+    """A metadata field kept for display: a string or number as text, else dropped (it could
+    be any structure the pickle built)."""
+    return str(value) if isinstance(value, str | int | float) else None
+
+
+def _is_part(part: Any) -> bool:
+    """A step of a planner_data path: a dict key (str) or a list index (int)."""
+    return type(part) is str or type(part) is int
+
+
+def _rank(file: str, default: int | None) -> int | None:
+    """The writing rank, from a ``__R_K.distcp`` name (or the rank-local metadata file)."""
+    match = DATA_FILE.match(file)
+    return int(match.group(1)) if match else default

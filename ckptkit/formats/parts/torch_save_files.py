@@ -1,0 +1,239 @@
+"""torch.save zip files as catalog entries, shared by every adapter whose files are torch.save
+zips (``torch_save``, per-rank files, OLMo local, OLMo-core 0.x side files).
+
+Described lazily: each file's zip directory and its ``data.pkl`` are read by range (never a
+storage's bytes) and unpickled safely. Tensors become RAW records over their storage members;
+every other leaf becomes an object entry read back from the same ``data.pkl`` (PICKLE_LEAF).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...catalog import Chunk, Encoding, Entry, Record, pickle_leaf
+from ...errors import CorruptRecordError, FormatError
+from ...output_names import decode_stem
+from ...records import Member, ZipIndex, read_zip_indexes
+from ...storage import Storage
+from ...unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
+
+#: Names of torch.save files in a directory (a file the user names is recognised by content).
+SUFFIXES = (".pt", ".pth", ".bin")
+ZIP_MAGIC = b"PK\x03\x04"
+#: Pre-1.6 torch.save files are a bare pickle that starts with a 10-byte magic number.
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
+
+#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin`` → model
+_GROUP = re.compile(r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pt|pth|bin|safetensors)$")
+
+
+def group_of(name: str) -> str:
+    """The group a file in a directory holds: its name without suffix, side-file tag or shard,
+    percent-decoded as :func:`ckptkit.output_names.encode_stem` wrote it."""
+    match = _GROUP.match(name)
+    return decode_stem(match.group(1)) if match else name
+
+
+def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
+    """Each file's kind by its first 4 bytes: ``"zip"``, ``"legacy"`` (pre-1.6) or None."""
+    names = [name for name, size in sizes.items() if size >= 4]
+    heads = storage.read_ranges([(name, 0, 4) for name in names])
+    kinds: dict[str, str | None] = dict.fromkeys(sizes)
+    for name, head in zip(names, heads, strict=True):
+        kinds[name] = "zip" if head == ZIP_MAGIC else "legacy" if head == LEGACY_MAGIC else None
+    return kinds
+
+
+def refuse_legacy(storage: Storage, kinds: Mapping[str, str | None]) -> None:
+    """A clear error for pre-1.6 (non-zip) torch.save files, which ckptkit does not read."""
+    legacy = sorted(name for name, kind in kinds.items() if kind == "legacy")
+    if legacy:
+        raise FormatError(
+            f"{storage.describe(legacy[0])}: legacy (pre-1.6, non-zip) torch.save format is not "
+            "supported; load and re-save it with torch >= 1.6"
+        )
+
+
+def directory_files(storage: Storage) -> dict[str, int]:
+    """The torch.save zips directly in a directory (``*.pt``, ``*.pth``, ``*.bin``) and sizes."""
+    listing = storage.listdir()
+    candidates = {n: s for n, s in sorted(listing.items()) if n.endswith(SUFFIXES) and s >= 0}
+    kinds = probe(storage, candidates)
+    refuse_legacy(storage, kinds)
+    return {name: size for name, size in candidates.items() if kinds[name] == "zip"}
+
+
+# --------------------------------------------------------------------------------------------
+# Describing the pickled structure.
+
+
+def describe_files(
+    storage: Storage, groups: Mapping[str, str], sizes: Mapping[str, int] | None = None
+) -> dict[str, Entry]:
+    """Entries of torch.save zips; ``groups`` maps each file to the group its leaves go under."""
+    files = list(groups)
+    if not files:
+        return {}
+    pickled = load_pickles(storage, files, sizes)
+    entries: dict[str, Entry] = {}
+    owners: dict[str, str] = {}  # key → the file it came from, for clash messages
+    for file in files:
+        for entry in pickle_entries(pickled[file], groups[file]):
+            if entry.key in owners:
+                raise FormatError(
+                    f"{pickled[file].source}: key {entry.key!r} is also in {owners[entry.key]}"
+                )
+            owners[entry.key] = file
+            entries[entry.key] = entry
+    return entries
+
+
+@dataclass(frozen=True, slots=True)
+class Pickled:
+    """One torch.save file's ``data.pkl``, decoded safely, and where its pieces lie in the file."""
+
+    file: str
+    value: Any
+    index: ZipIndex
+    offset: int  # of data.pkl in the file
+    length: int
+    source: str
+
+
+def load_pickles(
+    storage: Storage,
+    files: list[str],
+    sizes: Mapping[str, int | None] | None = None,
+    allow: Mapping[str, Any] = OBJECT_GLOBALS,
+) -> dict[str, Pickled]:
+    """Each torch.save file's decoded ``data.pkl`` (unknown globals as placeholders), reading
+    zip directories and pickles only, in batched rounds."""
+    indexes = read_zip_indexes(storage, files, sizes)
+    wanted = []  # (file, start, end) of each file's data.pkl, then of its byteorder record
+    for file in files:
+        index = indexes[file]
+        data_pkl = index.member("data.pkl", storage.describe(file))
+        order = index.members.get(index.prefix + "byteorder", Member(data_pkl.offset, 0, 0))
+        wanted += [
+            (file, data_pkl.offset, data_pkl.offset + data_pkl.size),
+            (file, order.offset, order.offset + order.size),
+        ]
+    blobs = storage.read_ranges(wanted)
+    pickled = {}
+    for position, file in enumerate(files):
+        source = storage.describe(file)
+        data, order = blobs[2 * position], blobs[2 * position + 1]
+        if order not in (b"", b"little"):
+            raise CorruptRecordError(f"{source}: big-endian torch.save files are not supported")
+        value = safe_loads(data, allow=allow, source=source, unknown="opaque")
+        offset = wanted[2 * position][1]
+        pickled[file] = Pickled(file, value, indexes[file], offset, len(data), source)
+    return pickled
+
+
+def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) -> Iterator[Entry]:
+    """An entry per leaf of a decoded file, under ``group``: tensors as RAW records, other
+    leaves as PICKLE_LEAF; top-level keys in ``exclude`` are left out."""
+    for inner, leaf in leaves(pickled.value):
+        if inner and inner[0] in exclude:
+            continue
+        path = (group, *inner)
+        key = ".".join(map(str, path))
+        if isinstance(leaf, TensorRef):
+            yield _tensor_entry(key, path, leaf, pickled.index, pickled.source)
+        else:
+            crc32 = pickled.index.member("data.pkl", pickled.source).crc32
+            record = pickle_leaf(pickled.file, pickled.offset, pickled.length, inner, crc32=crc32)
+            yield Entry(key, path, "object", (Chunk((), (), record),))
+
+
+def leaves(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, leaf)`` pairs as torch's DCP flattening (``traverse_state_dict``) finds them.
+
+    Dicts are walked (keys as ``str``); lists are walked only when they hold tensors or dicts,
+    else they are one leaf. Unlike DCP, tuples are walked like lists (``nest`` rebuilds them as
+    lists) and an empty dict is kept as a leaf rather than dropped.
+    """
+    if isinstance(value, Mapping):
+        if not value:
+            yield path, value
+        for key, item in value.items():
+            yield from leaves(item, (*path, str(key)))
+    elif isinstance(value, (list, tuple)) and _walked(value):
+        for i, item in enumerate(value):
+            yield from leaves(item, (*path, i))
+    else:
+        yield path, value
+
+
+def _walked(items: list | tuple) -> bool:
+    """True when a list holds a tensor or a dict, directly or in a nested list (DCP's rule)."""
+    return any(
+        isinstance(item, (TensorRef, Mapping))
+        or (isinstance(item, (list, tuple)) and _walked(item))
+        for item in items
+    )
+
+
+def _tensor_entry(
+    key: str, path: tuple[str | int, ...], ref: TensorRef, index: ZipIndex, source: str
+) -> Entry:
+    """A tensor as one chunk whose RAW record covers exactly the bytes its view spans."""
+    record = tensor_record(key, ref, index, source)
+    return Entry(
+        key,
+        path,
+        "tensor",
+        (Chunk((0,) * len(ref.shape), ref.shape, record),),
+        ref.dtype,
+        ref.shape,
+    )
+
+
+def tensor_record(key: str, ref: TensorRef, index: ZipIndex, source: str) -> Record | None:
+    """The RAW record of the bytes ``ref``'s view spans in its storage member (None when the
+    tensor has no elements); checks that the view fits in the storage."""
+    member = index.member(f"data/{ref.storage.key}", source)
+    dt, shape, stride = ref.dtype, ref.shape, ref.stride
+    storage_dtype = ref.storage.dtype
+    if ref.storage.numel * storage_dtype.itemsize > member.size:
+        raise CorruptRecordError(
+            f"{source}: {key!r}: storage {ref.storage.key} has {member.size} bytes, the pickle "
+            f"says {ref.storage.numel} {storage_dtype.name} elements"
+        )
+    available = ref.storage.numel * storage_dtype.itemsize // dt.itemsize  # in elements of dt
+    if (
+        not all(type(n) is int and n >= 0 for n in shape)
+        or not all(type(s) is int for s in stride)
+        or len(stride) != len(shape)
+    ):
+        raise CorruptRecordError(
+            f"{source}: {key!r} has a malformed shape {shape!r} or strides {stride!r}"
+        )
+    record = None
+    if math.prod(shape):
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+        if (
+            ref.storage_offset < 0
+            or min(stride, default=0) < 0
+            or ref.storage_offset + extent > available
+        ):
+            raise CorruptRecordError(
+                f"{source}: {key!r} (shape {list(shape)}, strides {list(stride)}, offset "
+                f"{ref.storage_offset}) does not fit in storage {ref.storage.key} of "
+                f"{available} elements"
+            )
+        whole = ref.storage_offset == 0 and extent * dt.itemsize == member.size
+        record = Record(
+            index.file,
+            member.offset + ref.storage_offset * dt.itemsize,
+            extent * dt.itemsize,
+            Encoding.RAW,
+            stride=stride,
+            crc32=member.crc32 if whole else None,  # the zip's CRC covers the whole storage
+        )
+    return record
