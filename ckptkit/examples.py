@@ -162,36 +162,9 @@ def _train_and_save(
 ) -> None:
     """Rank body of `write_sample`: build, FSDP2-shard and train TinyLM, then save it with DCP."""
     torch.manual_seed(seed)  # same initial weights on every rank
-    model = TinyLM()
-    mesh = init_device_mesh("cpu", (world_size,))
-
-    def placement(param: nn.Parameter) -> Shard:
-        # FSDP2 only pads uneven shards on dim 0; other dims must exist and divide evenly.
-        fits = param.ndim > shard_dim and param.shape[shard_dim] % world_size == 0
-        return Shard(shard_dim if fits else 0)
-
-    shard_kwargs: dict[str, Any] = {"mesh": mesh}
-    if shard_dim != 0:
-        shard_kwargs["shard_placement_fn"] = placement
-    for module in [*model.blocks, model.adapter, model]:
-        fully_shard(module, **shard_kwargs)
-
+    model = _sharded_model(world_size, shard_dim)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.01)
-    data = torch.Generator().manual_seed(seed * 1000 + rank + 1)  # each rank sees its own batches
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            model.num_updates += 1
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)  # identical trainer state on every rank
-        losses.append(mean_loss.item() / world_size)
-
+    losses = _train(model, optimizer, rank, world_size, steps, seed)
     train = {
         "step": steps,
         "epoch": 0,
@@ -212,6 +185,51 @@ def _train_and_save(
         model_full, optim_full = get_state_dict(model, optimizer, options=full)
         if rank == 0:
             torch.save({"model": model_full, "optim": optim_full, "train": train}, reference_path)
+
+
+def _sharded_model(world_size: int, shard_dim: int) -> TinyLM:
+    """A TinyLM with its blocks, adapter and root FSDP2-sharded over all ranks along
+    `shard_dim` (dim 0 for parameters that cannot split evenly along it)."""
+    model = TinyLM()
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def placement(param: nn.Parameter) -> Shard:
+        # FSDP2 only pads uneven shards on dim 0; other dims must exist and divide evenly.
+        fits = param.ndim > shard_dim and param.shape[shard_dim] % world_size == 0
+        return Shard(shard_dim if fits else 0)
+
+    shard_kwargs: dict[str, Any] = {"mesh": mesh}
+    if shard_dim != 0:
+        shard_kwargs["shard_placement_fn"] = placement
+    for module in [*model.blocks, model.adapter, model]:
+        fully_shard(module, **shard_kwargs)
+    return model
+
+
+def _train(
+    model: TinyLM,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    world_size: int,
+    steps: int,
+    seed: int,
+) -> list[float]:
+    """Train for `steps` steps on random tokens; the loss of each step averaged over ranks."""
+    data = torch.Generator().manual_seed(seed * 1000 + rank + 1)  # each rank sees its own batches
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(VOCAB, (BATCH, SEQ_LEN + 1), generator=data)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            model.num_updates += 1
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # identical trainer state on every rank
+        losses.append(mean_loss.item() / world_size)
+    return losses
 
 
 def write_sample(

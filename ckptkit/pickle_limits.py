@@ -19,6 +19,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -147,19 +148,20 @@ class _Parser:
 
     def step(self, pos: int) -> tuple[int, int, Any]:
         """``(opcode, next position, argument)`` of the opcode at ``pos``; the argument is the
-        memo index of PUTs, the text lines of line opcodes, the payload length of counted ones."""
+        memo index of PUTs, the text lines of line opcodes, the payload length of counted ones.
+        Fixed-size and counted opcodes (nearly all of a large pickle) are handled inline."""
         data, limits = self.data, self.limits
         if self.frame_end >= 0 and pos == self.frame_end:
             self.frame_end = -1
         op = data[pos]
         size = _FIXED.get(op)
-        arg: Any = None
         if size is not None:
             self.need(pos, size, op)
             if op == _LONG_BINPUT:
-                arg = int.from_bytes(data[pos + 1 : pos + 5], "little")
-                self.check_memo(arg, pos)
-            return op, pos + size, arg
+                index = int.from_bytes(data[pos + 1 : pos + 5], "little")
+                self.check_memo(index, pos)
+                return op, pos + size, index
+            return op, pos + size, None
         counted = _COUNTED.get(op)
         if counted is not None:
             width, signed, is_int = counted
@@ -172,35 +174,47 @@ class _Parser:
             self.need(pos, 1 + width + length, op)
             return op, pos + 1 + width + length, length
         if op == _FRAME:
-            self.need(pos, 9, op)
-            if self.frame_end >= 0:
-                raise CorruptRecordError(f"{self.source}: frame inside a frame at {pos}")
-            length = int.from_bytes(data[pos + 1 : pos + 9], "little")
-            if pos + 9 + length > self.n:
-                raise CorruptRecordError(f"{self.source}: pickle data is truncated (frame)")
-            self.frame_end = pos + 9 + length
-            return op, pos + 9, None
+            return op, self.enter_frame(pos), None
         lines = _LINES.get(op)
         if lines is not None:
-            found, at = [], pos + 1
-            for _ in range(lines):
-                newline = bytes(data[at : min(at + _MAX_LINE, self.end())]).find(b"\n")
-                if newline < 0:
-                    raise CorruptRecordError(f"{self.source}: unterminated line at {at}")
-                found.append(bytes(data[at : at + newline]))
-                at += newline + 1
-            if op == _PUT:
-                try:
-                    index = int(found[0])
-                except ValueError as exc:
-                    raise CorruptRecordError(f"{self.source}: bad PUT at {pos}") from exc
-                self.check_memo(index, pos)
-            return op, at, found
+            return op, *self.read_lines(op, pos, lines)
         if op == _STOP:
             return op, pos + 1, None
+        raise self.bad_opcode(op, pos)
+
+    def enter_frame(self, pos: int) -> int:
+        """Start the protocol-4 frame announced at ``pos``; the position after its header."""
+        self.need(pos, 9, _FRAME)
+        if self.frame_end >= 0:
+            raise CorruptRecordError(f"{self.source}: frame inside a frame at {pos}")
+        length = int.from_bytes(self.data[pos + 1 : pos + 9], "little")
+        if pos + 9 + length > self.n:
+            raise CorruptRecordError(f"{self.source}: pickle data is truncated (frame)")
+        self.frame_end = pos + 9 + length
+        return pos + 9
+
+    def read_lines(self, op: int, pos: int, lines: int) -> tuple[int, list[bytes]]:
+        """``(next position, lines)`` of the protocol-0 opcode at ``pos``; checks PUT's index."""
+        data, found, at = self.data, [], pos + 1
+        for _ in range(lines):
+            newline = bytes(data[at : min(at + _MAX_LINE, self.end())]).find(b"\n")
+            if newline < 0:
+                raise CorruptRecordError(f"{self.source}: unterminated line at {at}")
+            found.append(bytes(data[at : at + newline]))
+            at += newline + 1
+        if op == _PUT:
+            try:
+                index = int(found[0])
+            except ValueError as exc:
+                raise CorruptRecordError(f"{self.source}: bad PUT at {pos}") from exc
+            self.check_memo(index, pos)
+        return at, found
+
+    def bad_opcode(self, op: int, pos: int) -> PickleLimitError | CorruptRecordError:
+        """The error for an opcode ckptkit refuses or that does not exist."""
         if op in _REFUSED:
-            raise _refuse(self.source, f"opcode {_REFUSED[op]} at {pos}")
-        raise CorruptRecordError(f"{self.source}: invalid pickle opcode 0x{op:02x} at {pos}")
+            return _refuse(self.source, f"opcode {_REFUSED[op]} at {pos}")
+        return CorruptRecordError(f"{self.source}: invalid pickle opcode 0x{op:02x} at {pos}")
 
     def check_memo(self, index: int, pos: int) -> None:
         # A pickler numbers memo entries 0, 1, 2…, one per PUT: never above the position.
@@ -323,113 +337,195 @@ class _Simulation:
         return self.tuple_cell(elements)
 
     def run(self) -> None:
-        data, parser, stack = self.parser.data, self.parser, self.stack
+        parser, handlers = self.parser, _HANDLERS
         pos = 0
         while True:
             if pos >= parser.n:
                 raise CorruptRecordError(f"{self.source}: pickle data is truncated (no STOP)")
             op, pos, arg = parser.step(pos)
-            c = chr(op)
             if op == _STOP:
                 return
-            if c in "KMJGILF" or op in (0x88, 0x89) or c == "N":
-                stack.append(_ATOM_CELL)
-            elif op in _COUNTED:
-                cell = _Cell()
-                if op in (0x8C, ord("X")) and arg <= 256:
-                    cell.value = bytes(data[pos - arg : pos]).decode("utf-8", "replace")
-                stack.append(cell)
-            elif c in "SVP":
-                stack.append(_ATOM_CELL)
-            elif c == "Q":  # BINPERSID
-                self.pop()
-                stack.append(_ATOM_CELL)
-            elif c in "qrp" or op == 0x94:  # BINPUT, LONG_BINPUT, PUT, MEMOIZE
-                index = (
-                    len(self.memo)
-                    if op == 0x94
-                    else data[pos - 1]
-                    if c == "q"
-                    else arg
-                    if c == "r"
-                    else int(arg[0])
-                )
-                self.memo[index] = self.top()
-            elif c in "hjg":
-                index = data[pos - 1] if c == "h" else int(arg[0]) if c == "g" else None
-                if c == "j":
-                    index = int.from_bytes(data[pos - 4 : pos], "little")
-                if index not in self.memo:
-                    raise self.fail(f"memo index {index} was never set")
-                stack.append(self.memo[index])
-            elif c == "2":
-                stack.append(self.top())
-            elif c == "0":
-                fence = self.marks[-1] if self.marks else 0
-                if len(stack) > fence:
-                    stack.pop()
-                elif self.marks:
-                    self.marks.pop()
-                else:
-                    raise self.fail("stack underflow")
-            elif c == "1":
-                self.pop_mark()
-            elif c == "(":
-                self.marks.append(len(stack))
-            elif c in "]}" or op == 0x8F:
-                stack.append(_Cell(0, []))
-            elif c == ")":
-                stack.append(_Cell(1, ()))
-            elif c == "a":
-                (item,) = self.pop()
-                self.add(self.top(), [item])
-            elif c == "s":
-                items = self.pop(2)
-                self.add(self.top(), items)
-            elif c in "eu" or op == 0x90:  # APPENDS, SETITEMS, ADDITEMS
-                items = self.pop_mark()
-                self.add(self.top(), items)
-            elif c in "ld" or op == 0x91:  # LIST, DICT, FROZENSET (hashes cached per element)
-                items = self.pop_mark()
-                self.spend(len(items))
-                stack.append(_Cell(0, items))
-            elif c == "t":
-                stack.append(self.tuple_cell(self.pop_mark()))
-            elif op in (0x85, 0x86, 0x87):
-                stack.append(self.tuple_cell(self.pop(op - 0x84)))
-            elif c == "R" or op == 0x81:  # REDUCE, NEWOBJ
-                func, args = self.pop(2)
-                stack.append(self.call(func, list(args.items or ())))
-            elif op == 0x92:  # NEWOBJ_EX
-                cls, args, kwargs = self.pop(3)
-                stack.append(self.call(cls, [*(args.items or ()), *(kwargs.items or ())]))
-            elif c == "o":
-                items = self.pop_mark()
-                if not items:
-                    raise self.fail("OBJ without a class")
-                stack.append(self.call(items[0], items[1:]))
-            elif c == "i":
-                items = self.pop_mark()
-                func = _Cell()
-                func.kind = self.classify(arg[0].decode("latin-1"), arg[1].decode("latin-1"))
-                stack.append(self.call(func, items))
-            elif c == "c" or op == 0x93:  # GLOBAL, STACK_GLOBAL
-                if c == "c":
-                    module, name = (line.decode("latin-1") for line in arg)
-                else:
-                    module_cell, name_cell = self.pop(2)
-                    module, name = module_cell.value, name_cell.value
-                func = _Cell()
-                func.kind = (
-                    self.classify(module, name)
-                    if isinstance(module, str) and isinstance(name, str)
-                    else UNKNOWN
-                )
-                stack.append(func)
-            elif c == "b":  # BUILD: state goes into an object, not into a tuple
-                self.pop()
-                self.top()
-            # PROTO, FRAME: nothing to simulate
+            handler = handlers.get(op)
+            if handler is not None:  # PROTO, FRAME: nothing to simulate
+                handler(self, op, pos, arg)
+
+    # One handler per kind of opcode, called as ``handler(self, op, position after the opcode,
+    # argument from the parser)``; :data:`_HANDLERS` maps each opcode to its handler.
+
+    def push_atom(self, op: int, pos: int, arg: Any) -> None:
+        """Numbers, booleans, None and protocol-0 strings: never tuples."""
+        self.stack.append(_ATOM_CELL)
+
+    def push_counted(self, op: int, pos: int, arg: Any) -> None:
+        """Strings, bytes and long integers; short unicode strings keep their text (module and
+        name of a STACK_GLOBAL)."""
+        cell = _Cell()
+        if op in (0x8C, ord("X")) and arg <= 256:
+            cell.value = bytes(self.parser.data[pos - arg : pos]).decode("utf-8", "replace")
+        self.stack.append(cell)
+
+    def binpersid(self, op: int, pos: int, arg: Any) -> None:
+        self.pop()
+        self.stack.append(_ATOM_CELL)
+
+    def memo_put(self, op: int, pos: int, arg: Any) -> None:
+        """BINPUT, LONG_BINPUT, PUT, MEMOIZE."""
+        c = chr(op)
+        index = (
+            len(self.memo)
+            if op == 0x94
+            else self.parser.data[pos - 1]
+            if c == "q"
+            else arg
+            if c == "r"
+            else int(arg[0])
+        )
+        self.memo[index] = self.top()
+
+    def memo_get(self, op: int, pos: int, arg: Any) -> None:
+        """BINGET, LONG_BINGET, GET."""
+        data, c = self.parser.data, chr(op)
+        index = data[pos - 1] if c == "h" else int(arg[0]) if c == "g" else None
+        if c == "j":
+            index = int.from_bytes(data[pos - 4 : pos], "little")
+        if index not in self.memo:
+            raise self.fail(f"memo index {index} was never set")
+        self.stack.append(self.memo[index])
+
+    def dup(self, op: int, pos: int, arg: Any) -> None:
+        self.stack.append(self.top())
+
+    def pop_top(self, op: int, pos: int, arg: Any) -> None:
+        """POP: the top item, or the topmost MARK when none is above it."""
+        fence = self.marks[-1] if self.marks else 0
+        if len(self.stack) > fence:
+            self.stack.pop()
+        elif self.marks:
+            self.marks.pop()
+        else:
+            raise self.fail("stack underflow")
+
+    def pop_to_mark(self, op: int, pos: int, arg: Any) -> None:
+        self.pop_mark()
+
+    def mark(self, op: int, pos: int, arg: Any) -> None:
+        self.marks.append(len(self.stack))
+
+    def empty_container(self, op: int, pos: int, arg: Any) -> None:
+        """EMPTY_LIST, EMPTY_DICT, EMPTY_SET."""
+        self.stack.append(_Cell(0, []))
+
+    def empty_tuple(self, op: int, pos: int, arg: Any) -> None:
+        self.stack.append(_Cell(1, ()))
+
+    def append(self, op: int, pos: int, arg: Any) -> None:
+        (item,) = self.pop()
+        self.add(self.top(), [item])
+
+    def setitem(self, op: int, pos: int, arg: Any) -> None:
+        items = self.pop(2)
+        self.add(self.top(), items)
+
+    def add_marked(self, op: int, pos: int, arg: Any) -> None:
+        """APPENDS, SETITEMS, ADDITEMS."""
+        items = self.pop_mark()
+        self.add(self.top(), items)
+
+    def build_container(self, op: int, pos: int, arg: Any) -> None:
+        """LIST, DICT, FROZENSET (hashes are cached per element: no tuple depth)."""
+        items = self.pop_mark()
+        self.spend(len(items))
+        self.stack.append(_Cell(0, items))
+
+    def build_tuple(self, op: int, pos: int, arg: Any) -> None:
+        self.stack.append(self.tuple_cell(self.pop_mark()))
+
+    def build_small_tuple(self, op: int, pos: int, arg: Any) -> None:
+        """TUPLE1, TUPLE2, TUPLE3."""
+        self.stack.append(self.tuple_cell(self.pop(op - 0x84)))
+
+    def reduce(self, op: int, pos: int, arg: Any) -> None:
+        """REDUCE, NEWOBJ."""
+        func, args = self.pop(2)
+        self.stack.append(self.call(func, list(args.items or ())))
+
+    def newobj_ex(self, op: int, pos: int, arg: Any) -> None:
+        cls, args, kwargs = self.pop(3)
+        self.stack.append(self.call(cls, [*(args.items or ()), *(kwargs.items or ())]))
+
+    def obj(self, op: int, pos: int, arg: Any) -> None:
+        items = self.pop_mark()
+        if not items:
+            raise self.fail("OBJ without a class")
+        self.stack.append(self.call(items[0], items[1:]))
+
+    def inst(self, op: int, pos: int, arg: Any) -> None:
+        items = self.pop_mark()
+        func = _Cell()
+        func.kind = self.classify(arg[0].decode("latin-1"), arg[1].decode("latin-1"))
+        self.stack.append(self.call(func, items))
+
+    def global_(self, op: int, pos: int, arg: Any) -> None:
+        """GLOBAL, STACK_GLOBAL: a callable classified by module and name."""
+        if op == ord("c"):
+            module, name = (line.decode("latin-1") for line in arg)
+        else:
+            module_cell, name_cell = self.pop(2)
+            module, name = module_cell.value, name_cell.value
+        func = _Cell()
+        func.kind = (
+            self.classify(module, name)
+            if isinstance(module, str) and isinstance(name, str)
+            else UNKNOWN
+        )
+        self.stack.append(func)
+
+    def build(self, op: int, pos: int, arg: Any) -> None:
+        """BUILD: state goes into an object, not into a tuple."""
+        self.pop()
+        self.top()
+
+
+def _handlers(groups: dict[bytes, Callable[..., None]]) -> dict[int, Callable[..., None]]:
+    table: dict[int, Callable[..., None]] = {}
+    for opcodes, handler in groups.items():
+        for op in opcodes:
+            if op in table:
+                raise AssertionError(f"opcode 0x{op:02x} has two handlers")
+            table[op] = handler
+    return table
+
+
+_S = _Simulation
+#: Opcode → :class:`_Simulation` handler; PROTO and FRAME have none (no stack effect).
+_HANDLERS = _handlers(
+    {
+        b"KMJGILFN\x88\x89SVP": _S.push_atom,
+        bytes(_COUNTED): _S.push_counted,
+        b"Q": _S.binpersid,
+        b"qrp\x94": _S.memo_put,
+        b"hjg": _S.memo_get,
+        b"2": _S.dup,
+        b"0": _S.pop_top,
+        b"1": _S.pop_to_mark,
+        b"(": _S.mark,
+        b"]}\x8f": _S.empty_container,
+        b")": _S.empty_tuple,
+        b"a": _S.append,
+        b"s": _S.setitem,
+        b"eu\x90": _S.add_marked,
+        b"ld\x91": _S.build_container,
+        b"t": _S.build_tuple,
+        b"\x85\x86\x87": _S.build_small_tuple,
+        b"R\x81": _S.reduce,
+        b"\x92": _S.newobj_ex,
+        b"o": _S.obj,
+        b"i": _S.inst,
+        b"c\x93": _S.global_,
+        b"b": _S.build,
+    }
+)
+del _S
 
 
 def simulate(
@@ -518,11 +614,10 @@ def check_value(
                     raise _refuse(source, f"values nested more than {limits.max_depth} deep")
             stack[-1] = (obj, kids)
             pending = [k for k in kids if id(k) not in heights]
-            for kid in pending:
-                if id(kid) in on_path:
-                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
-                stack.append((kid, None))
             if pending:
+                if not on_path.isdisjoint(map(id, pending)):
+                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
+                stack.extend(zip(pending, repeat(None)))
                 continue
         stack.pop()
         on_path.discard(key)
@@ -536,12 +631,18 @@ def check_value(
             raise _refuse(source, f"a value of over {limits.max_items} nodes (shared parts)")
         sizes[key] = size
         keep.append(obj)
-    # Shared parts are walked once here but once per reference by recursive code (repr, DCP
-    # flattening, ``_materialize``): a DAG of lists sharing halves is exponential for them.
-    tree = sizes.get(id(value), 1)
-    if tree > 16 * len(sizes) + (1 << 20):
+    _check_sharing(sizes.get(id(value), 1), len(sizes), source)
+
+
+def _check_sharing(tree: int, objects: int, source: str) -> None:
+    """Refuse a value of ``objects`` distinct objects that unfolds into ``tree`` nodes.
+
+    Shared parts are walked once by :func:`check_value` but once per reference by recursive
+    code (repr, DCP flattening, ``_materialize``): a DAG of lists sharing halves is exponential
+    for them."""
+    if tree > 16 * objects + (1 << 20):
         raise _refuse(
-            source, f"{len(sizes)} objects shared so often that they unfold into {tree} nodes"
+            source, f"{objects} objects shared so often that they unfold into {tree} nodes"
         )
 
 
@@ -568,13 +669,18 @@ def _children(
     elif isinstance(obj, slice):
         items = [obj.start, obj.stop, obj.step]
     else:
-        extra = children(obj) if children is not None else None
-        if extra is not None:
-            items = list(extra)
-        elif hasattr(obj, "__dict__"):
-            items = list(vars(obj).values())
-        else:
-            items = [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())]
+        items = _object_children(obj, children)
     if len(items) > limits.max_items:
         raise _refuse(source, f"a container of {len(items)} items")
     return items
+
+
+def _object_children(obj: Any, children: Callable[[Any], Any] | None) -> list[Any]:
+    """What an object other than a builtin container refers to: ``children(obj)`` when it says,
+    else its attributes (``__dict__`` or ``__slots__``)."""
+    extra = children(obj) if children is not None else None
+    if extra is not None:
+        return list(extra)
+    if hasattr(obj, "__dict__"):
+        return list(vars(obj).values())
+    return [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())]
