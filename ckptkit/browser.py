@@ -21,13 +21,13 @@ import ipywidgets as widgets
 import numpy as np
 
 from .catalog import Chunk, Entry
-from .checkpoint import Checkpoint, open_source
 from .diff import as_float, map_key
 from .diff import diff as diff_checkpoints
 from .errors import CheckpointError, KeyNotFoundError
 from .plots import plot_chunk_layout, plot_value_histogram
 from .reading import check_coverage
-from .tables import human_bytes
+from .source import Source, open_source
+from .tables import human_bytes, tensors_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,9 +47,9 @@ _ALL = ""  # the group/dtype menus' "all" entry (a None value would mean "nothin
 
 
 def browse(
-    source: str | Checkpoint,
+    source: str | Source,
     *,
-    compare_to: str | Checkpoint | None = None,
+    compare_to: str | Source | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> Browser:
     """A widget over ``source``'s tensors (a path, fsspec URL or open :class:`Checkpoint`).
@@ -70,11 +70,11 @@ class Browser(widgets.VBox):
     ``error``; :attr:`state` gathers them.
     """
 
-    def __init__(self, checkpoint: Checkpoint, other: Checkpoint | None = None) -> None:
+    def __init__(self, checkpoint: Source, other: Source | None = None) -> None:
         super().__init__()
         self.checkpoint = checkpoint
         self.other = other
-        self.table: pd.DataFrame = checkpoint.tensors  # metadata only
+        self.table: pd.DataFrame = tensors_table(checkpoint.catalog)  # metadata only
         self.matching: list[str] = []
         self.matching_bytes = 0
         self.selected: str | None = None
@@ -85,7 +85,18 @@ class Browser(widgets.VBox):
         self.reads: list[str] = []
         self.error: str | None = None
         self._batch = self._listing = False  # guards while several widgets change at once
+        self._make_controls()
+        self._make_panels()
+        self._tag_widgets()
+        self.children = self._arrange()
+        for widget in (self._filter, self._mode, self._group, self._dtype):
+            widget.observe(self._on_filter, "value")
+        self._list.observe(self._on_select, "value")
+        self._refresh_matches()
+        self._clear_detail()
 
+    def _make_controls(self) -> None:
+        """The filter text, glob/regex toggle and group/dtype menus (from the table)."""
         groups = list(dict.fromkeys(self.table["group"]))
         dtypes = sorted(set(self.table["dtype"]))
         self._filter = widgets.Text(
@@ -105,6 +116,9 @@ class Browser(widgets.VBox):
             options=[("all dtypes", _ALL)] + [(d, d) for d in dtypes],
             layout=widgets.Layout(width="auto"),
         )
+
+    def _make_panels(self) -> None:
+        """The match summary, key list and the selected tensor's detail panels."""
         self._summary = widgets.HTML()
         self._list = widgets.Select(
             options=[], value=None, rows=20, layout=widgets.Layout(width="34%")
@@ -117,6 +131,9 @@ class Browser(widgets.VBox):
         self._hist_image = widgets.Image(format="png", layout=widgets.Layout(width="48%"))
         self._stats_html = widgets.HTML()
         self._diff_html = widgets.HTML()
+
+    def _tag_widgets(self) -> None:
+        """CSS classes ``ckptkit-<name>`` that notebooks and tests find the widgets by."""
         for widget, name in [
             (self._filter, "filter"),
             (self._group, "group"),
@@ -132,6 +149,8 @@ class Browser(widgets.VBox):
             widget.add_class(f"ckptkit-{name}")
         self.add_class("ckptkit-browse")
 
+    def _arrange(self) -> list[widgets.Widget]:
+        """Header, filter row, summary, then the key list beside the detail column."""
         detail = widgets.VBox(
             [
                 self._meta,
@@ -142,17 +161,12 @@ class Browser(widgets.VBox):
             ],
             layout=widgets.Layout(width="66%", padding="0 0 0 12px"),
         )
-        self.children = [
+        return [
             widgets.HTML(self._header_html()),
             widgets.HBox([self._filter, self._mode, self._group, self._dtype]),
             self._summary,
             widgets.HBox([self._list, detail]),
         ]
-        for widget in (self._filter, self._mode, self._group, self._dtype):
-            widget.observe(self._on_filter, "value")
-        self._list.observe(self._on_select, "value")
-        self._refresh_matches()
-        self._clear_detail()
 
     # -- driving it from code ----------------------------------------------------------------
 
@@ -409,7 +423,7 @@ class _Running:
 
 
 def _tensor_stats(
-    ckpt: Checkpoint, entry: Entry, progress: Callable[[int, int], None] | None = None
+    ckpt: Source, entry: Entry, progress: Callable[[int, int], None] | None = None
 ) -> dict[str, Any]:
     """min/max/mean/std (over finite values, population std), fractions of zeros/NaN/Inf and a
     histogram, reading ``entry`` one chunk at a time. Complex tensors are summarized by |x|."""
@@ -530,7 +544,7 @@ def _figure() -> Figure:
     return Figure(figsize=(5.0, 3.2), dpi=80, layout="constrained")
 
 
-def _chunk_layout_figure(checkpoint: Checkpoint, key: str) -> Figure:
+def _chunk_layout_figure(checkpoint: Source, key: str) -> Figure:
     fig = _figure()
     plot_chunk_layout(checkpoint, key, ax=fig.add_subplot())
     return fig

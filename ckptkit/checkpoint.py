@@ -9,10 +9,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import formats
-from .catalog import Catalog, Entry
+from .catalog import Entry
 from .errors import KeyNotFoundError
 from .formats import Detection
-from .reading import Reader
+from .source import Source, open_location
 from .storage import Storage
 
 if TYPE_CHECKING:  # pandas is imported on first use: opening a checkpoint does not need it
@@ -38,9 +38,14 @@ def open(
     members: DCP records, ``*.pt`` storages) and raises :class:`ChecksumError` on a mismatch;
     False skips that for speed (see ``benchmarks/bench_crc.py`` for its cost).
     """
-    storage = Storage(url, storage_options, cache=cache)
-    detection = formats.detect(storage, format)
-    return Checkpoint(formats.describe(detection), detection, verify_crc=verify_crc)
+    return open_location(
+        Checkpoint,
+        url,
+        storage_options=storage_options,
+        format=format,
+        cache=cache,
+        verify_crc=verify_crc,
+    )
 
 
 def detect(url: str, *, storage_options: dict[str, Any] | None = None) -> Detection:
@@ -50,29 +55,14 @@ def detect(url: str, *, storage_options: dict[str, Any] | None = None) -> Detect
     return formats.detect(Storage(url, storage_options))
 
 
-def open_source(src: str | Checkpoint, storage_options: dict[str, Any] | None = None) -> Checkpoint:
-    """``src`` itself when it is already an open checkpoint, else :func:`open` it."""
-    return src if isinstance(src, Checkpoint) else open(src, storage_options=storage_options)
+class Checkpoint(Source):
+    """A checkpoint described by its metadata: DataFrames, and tensors read on demand.
 
-
-class Checkpoint:
-    """A checkpoint described by its metadata: DataFrames, and tensors read on demand."""
-
-    def __init__(self, catalog: Catalog, detection: Detection, *, verify_crc: bool = True) -> None:
-        self.catalog = catalog
-        self.detection = detection
-        self.storage = detection.storage
-        self.reader = Reader(self.storage, catalog.object_globals, verify_crc=verify_crc)
+    A :class:`~ckptkit.source.Source` (``catalog``, ``reader``, ``storage``, ``detection``,
+    ``url``, ``format``, ``entry()``), so every operation takes it as it is.
+    """
 
     # -- identity --------------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        return self.storage.url
-
-    @property
-    def format(self) -> str:
-        return self.catalog.format
 
     def keys(self) -> list[str]:
         """Every entry's dotted key, tensors and objects, in checkpoint order."""
@@ -86,13 +76,6 @@ class Checkpoint:
 
     def __len__(self) -> int:
         return len(self.catalog.entries)
-
-    def entry(self, key: str) -> Entry:
-        """The catalog entry of ``key`` (dtype, shape, chunks and their records)."""
-        try:
-            return self.catalog.entries[key]
-        except KeyError:
-            raise KeyNotFoundError(f"{self.url}: no entry {key!r}") from None
 
     # -- tables ----------------------------------------------------------------------------
 
@@ -196,7 +179,7 @@ class Checkpoint:
         ``config.json``), parsed; None when there is none."""
         from .run_config import read_config
 
-        return read_config(self.storage, self.catalog.info.get("config_file"))
+        return read_config(self.storage, self.catalog.facts.config_file)
 
     @cached_property
     def config_table(self) -> pd.DataFrame:

@@ -74,7 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ckptkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_inspect, _add_unshard, _add_convert, _add_diff, _add_sizes, _add_verify):
+        add(commands)
+    return parser
 
+
+def _add_inspect(commands) -> None:
     inspect = commands.add_parser("inspect", help="summarise a checkpoint without loading tensors")
     inspect.add_argument("path", help="checkpoint directory or fsspec URL (s3://…)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -83,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(run=_inspect)
 
+
+def _add_unshard(commands) -> None:
     unshard = commands.add_parser(
         "unshard", help="write one unsharded file per group (model, optim, …)"
     )
@@ -94,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     unshard.add_argument("--max-shard-size", help="split safetensors output, e.g. 5GB")
     unshard.set_defaults(run=_unshard)
 
+
+def _add_convert(commands) -> None:
     convert = commands.add_parser("convert", help="rewrite a checkpoint as DCP (or unshard it)")
     _add_transfer_arguments(convert)
     convert.add_argument(
@@ -101,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.set_defaults(run=_convert)
 
+
+def _add_diff(commands) -> None:
     diff = commands.add_parser(
         "diff",
         help="compare two checkpoints key by key (exit 0: equal within tolerance, 1: different)",
@@ -121,12 +132,16 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--quiet", action="store_true", help="no progress bar")
     diff.set_defaults(run=_diff)
 
+
+def _add_sizes(commands) -> None:
     sizes = commands.add_parser("sizes", help="bytes on disk of checkpoints side by side")
     sizes.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint paths or URLs")
     sizes.add_argument("--labels", nargs="+", metavar="LABEL", help="row names (default: paths)")
     sizes.add_argument("--json", action="store_true", help="machine-readable output")
     sizes.set_defaults(run=_sizes)
 
+
+def _add_verify(commands) -> None:
     verify = commands.add_parser(
         "verify",
         help="read everything and report damage (exit 0: sound, 1: problems found)",
@@ -135,7 +150,6 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.add_argument("--no-crc", dest="crc", action="store_false", help="skip CRC-32 checks")
     verify.set_defaults(run=_verify)
-    return parser
 
 
 def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,12 +15,11 @@ from typing import Any, Literal
 
 from . import dtypes, output_names
 from .catalog import Chunk, Entry
-from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
 from .errors import FormatError, UnsafePickleError, UsageError
 from .progress import ByteProgress
 from .reading import Reader
-from .records import TorchArchive, tensor_archive_limit, undo_transform
+from .source import Source, open_source
 from .state_dict import nest
 from .storage import Storage, atomic_output
 from .unpickler import Opaque
@@ -72,7 +71,7 @@ class UnshardResult:
 
 
 def unshard(
-    src: str | Checkpoint,
+    src: str | Source,
     dst: str,
     *,
     to: Literal["torch", "safetensors"] = "torch",
@@ -96,35 +95,48 @@ def unshard(
     """
     if to not in ("torch", "safetensors"):
         raise UsageError(f"to must be 'torch' or 'safetensors', not {to!r}")
-    ckpt = open_source(src, storage_options)
+    source = open_source(src, storage_options)
     cast = dtypes.dtype(dtype) if dtype is not None else None
-    entries = ckpt.catalog.select(keys, groups)
-    if not entries:
-        raise FormatError(f"{ckpt.url}: nothing matches keys={keys!r} groups={groups!r}")
-    by_group: dict[str, list[Entry]] = {}
-    for entry in entries:
-        by_group.setdefault(entry.group, []).append(entry)
+    entries = _select(source, keys, groups)
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
-
     destination = Storage(dst, storage_options)
-    plans = [
-        _plan_torch(group, items) if to == "torch" else _plan_safetensors(group, items, limit, cast)
-        for group, items in by_group.items()
-    ]
-    output_names.check_distinct_files({plan.group: plan.names for plan in plans})
+    plans = _plans(entries, to, limit, cast)
     result = UnshardResult(destination.describe())
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([name for plan in plans for name in plan.names])
         with ByteProgress(total, progress, "unshard") as bar:
-            copier = _Copier(ckpt.reader, cast, bar)
+            copier = _Copier(source.reader, cast, bar)
             for plan in plans:
-                result.files.extend(plan.write(output, ckpt, copier))
+                result.files.extend(plan.write(output, source, copier))
     return result
 
 
+def _select(
+    source: Source, keys: Sequence[str] | str | None, groups: Sequence[str] | str | None
+) -> list[Entry]:
+    """The entries ``keys`` / ``groups`` select; none at all is an error, not an empty output."""
+    entries = source.catalog.select(keys, groups)
+    if not entries:
+        raise FormatError(f"{source.url}: nothing matches keys={keys!r} groups={groups!r}")
+    return entries
+
+
+def _plans(entries: list[Entry], to: str, limit: int | None, cast: DType | None) -> list[_Plan]:
+    """One output plan per group, their file names checked not to collide before any is written."""
+    by_group: dict[str, list[Entry]] = {}
+    for entry in entries:
+        by_group.setdefault(entry.group, []).append(entry)
+    plans = [
+        _plan_torch(group, items) if to == "torch" else _plan_safetensors(group, items, limit, cast)
+        for group, items in by_group.items()
+    ]
+    output_names.check_distinct_files({plan.group: plan.names for plan in plans})
+    return plans
+
+
 def convert(
-    src: str | Checkpoint,
+    src: str | Source,
     dst: str,
     *,
     to: Target = "dcp",
@@ -154,12 +166,25 @@ def convert(
         )
     if to != "dcp":
         raise UsageError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
-    ckpt = open_source(src, storage_options)
-    entries = ckpt.catalog.select(keys, groups)
-    if not entries:
-        raise FormatError(f"{ckpt.url}: nothing matches keys={keys!r} groups={groups!r}")
-    reader = ckpt.reader
+    source = open_source(src, storage_options)
+    entries = _select(source, keys, groups)
     destination = Storage(dst, storage_options)
+    with atomic_output(destination, overwrite=overwrite) as output:
+        output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
+        data_size, metadata_size = _write_dcp(output, source.reader, entries, progress)
+    objects = sum(e.kind == "object" for e in entries)
+    return UnshardResult(
+        destination.describe(),
+        [
+            WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - objects, objects),
+            WrittenFile(dcp_writer.METADATA, metadata_size, 0, 0),
+        ],
+    )
+
+
+def _write_dcp(output, reader: Reader, entries: list[Entry], progress: bool) -> tuple[int, int]:
+    """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``; returns
+    both files' sizes."""
     total = sum(e.nbytes for e in entries if e.kind == "tensor")
 
     def object_value(entry: Entry) -> Any:
@@ -167,32 +192,23 @@ def convert(
         _refuse_opaque(value, entry.key)
         return value
 
-    with atomic_output(destination, overwrite=overwrite) as output:
-        output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
-        with (
-            ByteProgress(total, progress, "convert") as bar,
-            output.open(dcp_writer.DATA_FILE) as stream,
-        ):
-            copier = _Copier(reader, None, bar)
-            records = dcp_writer.write_records(
-                stream,
-                entries,
-                copy_record=copier.record,
-                chunk_bytes=copier.chunk,
-                object_value=object_value,
-            )
-            data_size = stream.tell()
-        metadata = dcp_writer.metadata_bytes(records, entries)
-        with output.open(dcp_writer.METADATA) as stream:
-            stream.write(metadata)
-    objects = sum(e.kind == "object" for e in entries)
-    return UnshardResult(
-        destination.describe(),
-        [
-            WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - objects, objects),
-            WrittenFile(dcp_writer.METADATA, len(metadata), 0, 0),
-        ],
-    )
+    with (
+        ByteProgress(total, progress, "convert") as bar,
+        output.open(dcp_writer.DATA_FILE) as stream,
+    ):
+        copier = _Copier(reader, None, bar)
+        records = dcp_writer.write_records(
+            stream,
+            entries,
+            copy_record=copier.record,
+            chunk_bytes=copier.chunk,
+            object_value=object_value,
+        )
+        data_size = stream.tell()
+    metadata = dcp_writer.metadata_bytes(records, entries)
+    with output.open(dcp_writer.METADATA) as stream:
+        stream.write(metadata)
+    return data_size, len(metadata)
 
 
 class _Copier:
@@ -210,17 +226,9 @@ class _Copier:
             yield piece
 
     def record(self, entry: Entry, chunk: Chunk) -> bytes:
-        """A chunk's stored record, byte for byte (its CRC-32 checked first, unless the reader
-        was opened with ``verify_crc=False``)."""
-        record = chunk.record
-        (data,) = self.reader.read_ranges(
-            [(record.file, record.offset, record.offset + record.length)], entry.key
-        )
-        if self.reader.verify_crc:
-            source = f"{self.reader.storage.describe(record.file)} @{record.offset} ({entry.key})"
-            limit = tensor_archive_limit(chunk.numel * entry.dtype.itemsize)
-            raw = undo_transform(data, record.transform, source, limit=limit)
-            TorchArchive(raw, source).check_crc()
+        """A chunk's stored record, byte for byte (CRC-checked by the reader unless it was
+        opened with ``verify_crc=False``)."""
+        data = self.reader.read_record(entry, chunk)
         self.bar.update(chunk.numel * entry.dtype.itemsize)
         return data
 
@@ -257,7 +265,7 @@ class _Plan:
     group: str
     names: list[str]
 
-    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
+    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
         raise NotImplementedError
 
 
@@ -271,9 +279,9 @@ class _TorchPlan(_Plan):
     def names(self) -> list[str]:
         return [self.name or f"{output_names.encode_stem(self.group)}.pt"]
 
-    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
+    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
         name = self.names[0]
-        structure, streamed = _structure(self.entries, ckpt, copier.cast)
+        structure, streamed = _structure(self.entries, source, copier.cast)
         with output.open(name) as stream:
             torch_save.write(
                 stream,
@@ -293,11 +301,11 @@ def _plan_torch(group: str, entries: list[Entry]) -> _TorchPlan:
 
 
 def _structure(
-    entries: list[Entry], ckpt: Checkpoint, cast: DType | None
+    entries: list[Entry], source: Source, cast: DType | None
 ) -> tuple[Any, dict[int, Entry]]:
     """The group's nested value with tensors as slots (filled later) and objects decoded."""
     objects = [e for e in entries if e.kind == "object"]
-    values = dict(zip((e.key for e in objects), ckpt.reader.read_objects(objects), strict=True))
+    values = dict(zip((e.key for e in objects), source.reader.read_objects(objects), strict=True))
     for key, value in values.items():
         _refuse_opaque(value, key)
     streamed: dict[int, Entry] = {}
@@ -368,39 +376,46 @@ class _SafetensorsPlan(_Plan):
             names.append(f"{self.stem}.objects.pt")
         return names
 
-    def write(self, output, ckpt: Checkpoint, copier: _Copier) -> list[WrittenFile]:
-        written = []
-        if self.shards[0]:
-            for name, shard in zip(self.tensor_names, self.shards, strict=True):
-                by_item = {id(item): entry for item, entry in shard}
-                with output.open(name) as stream:
-                    safetensors_writer.write(
-                        stream,
-                        [item for item, _ in shard],
-                        lambda item, by_item=by_item: copier(by_item[id(item)]),
-                        metadata={"format": "pt"},
-                    )
-                    written.append(WrittenFile(name, stream.tell(), len(shard), 0))
+    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
+        written = self._write_shards(output, copier) if self.shards[0] else []
         if len(self.shards) > 1:
-            index = {
-                "metadata": {
-                    "total_size": sum(item.nbytes for shard in self.shards for item, _ in shard)
-                },
-                "weight_map": {
-                    item.name: name
-                    for name, shard in zip(self.tensor_names, self.shards, strict=True)
-                    for item, _ in shard
-                },
-            }
-            name = f"{self.stem}.safetensors.index.json"
-            data = json.dumps(index, indent=2).encode()
-            with output.open(name) as stream:
-                stream.write(data)
-            written.append(WrittenFile(name, len(data), 0, 0))
+            written.append(self._write_index(output))
         if self.objects:
             side = _TorchPlan(self.group, self.objects, f"{self.stem}.objects.pt")
-            written.extend(side.write(output, ckpt, copier))
+            written.extend(side.write(output, source, copier))
         return written
+
+    def _write_shards(self, output, copier: _Copier) -> list[WrittenFile]:
+        written = []
+        for name, shard in zip(self.tensor_names, self.shards, strict=True):
+            by_item = {id(item): entry for item, entry in shard}
+            with output.open(name) as stream:
+                safetensors_writer.write(
+                    stream,
+                    [item for item, _ in shard],
+                    lambda item, by_item=by_item: copier(by_item[id(item)]),
+                    metadata={"format": "pt"},
+                )
+                written.append(WrittenFile(name, stream.tell(), len(shard), 0))
+        return written
+
+    def _write_index(self, output) -> WrittenFile:
+        """The HF ``*.safetensors.index.json`` naming each tensor's shard."""
+        index = {
+            "metadata": {
+                "total_size": sum(item.nbytes for shard in self.shards for item, _ in shard)
+            },
+            "weight_map": {
+                item.name: name
+                for name, shard in zip(self.tensor_names, self.shards, strict=True)
+                for item, _ in shard
+            },
+        }
+        name = f"{self.stem}.safetensors.index.json"
+        data = json.dumps(index, indent=2).encode()
+        with output.open(name) as stream:
+            stream.write(data)
+        return WrittenFile(name, len(data), 0, 0)
 
 
 def _plan_safetensors(

@@ -18,11 +18,11 @@ import numpy as np
 
 from . import dtypes
 from .catalog import Entry
-from .checkpoint import Checkpoint, open_source
 from .dtypes import DType
 from .errors import CorruptRecordError, KeyNotFoundError, UsageError
 from .progress import ByteProgress
 from .reading import Reader
+from .source import Source, open_source
 from .unpickler import Opaque, TensorRef
 
 if TYPE_CHECKING:
@@ -64,8 +64,8 @@ KeyMap = Mapping[str, str] | Callable[[str], str] | None
 
 
 def diff(
-    a: str | Checkpoint,
-    b: str | Checkpoint,
+    a: str | Source,
+    b: str | Source,
     *,
     keys: Sequence[str] | str | None = None,
     key_map: KeyMap = None,
@@ -90,27 +90,47 @@ def diff(
         raise UsageError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
     ckpt_a = open_source(a, storage_options)
     ckpt_b = open_source(b, storage_options)
+    pairs = _pairs(ckpt_a, ckpt_b, key_map, keys)
+    rows = _compare_pairs(ckpt_a, ckpt_b, pairs, _Tolerance(rtol, atol), progress)
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame["numel"] = frame["numel"].astype("Int64")
+    frame.attrs.update(a=_location(ckpt_a), b=_location(ckpt_b), rtol=rtol, atol=atol)
+    return frame
+
+
+Pair = tuple[Entry | None, Entry | None]
+
+
+def _pairs(
+    ckpt_a: Source, ckpt_b: Source, key_map: KeyMap, keys: Sequence[str] | str | None
+) -> list[Pair]:
+    """``(a's entry, b's entry)`` per mapped key: a's keys in order, then those only in b."""
     side_a = _mapped(ckpt_a, key_map, keys)
     side_b = _mapped(ckpt_b, key_map, keys)
     if keys is not None and not side_a and not side_b:  # a mistyped glob must not "pass"
         raise KeyNotFoundError(f"{ckpt_a.url}, {ckpt_b.url}: no key matches {keys!r}")
+    pairs: list[Pair] = [(entry, side_b.get(name)) for name, entry in side_a.items()]
+    pairs += [(None, entry) for name, entry in side_b.items() if name not in side_a]
+    return pairs
 
-    pairs = [(name, entry, side_b.get(name)) for name, entry in side_a.items()]
-    pairs += [(name, None, entry) for name, entry in side_b.items() if name not in side_a]
+
+def _compare_pairs(
+    ckpt_a: Source, ckpt_b: Source, pairs: list[Pair], tolerance: _Tolerance, progress: bool
+) -> list[dict[str, Any]]:
+    """One row per pair: objects compared by value in one batch, tensors streamed."""
     objects = _compare_objects(
         ckpt_a,
         ckpt_b,
-        [(ea, eb) for _, ea, eb in pairs if _both(ea, eb) and ea.kind == eb.kind == "object"],
+        [(ea, eb) for ea, eb in pairs if _both(ea, eb) and ea.kind == eb.kind == "object"],
     )
-    tolerance = _Tolerance(rtol, atol)
     total = sum(
         max(ea.nbytes, eb.nbytes)
-        for _, ea, eb in pairs
+        for ea, eb in pairs
         if _both(ea, eb) and ea.kind == eb.kind == "tensor"
     )
     rows = []
     with ByteProgress(total, progress, "diff") as bar:
-        for _, ea, eb in pairs:
+        for ea, eb in pairs:
             row = _row(ea, eb)
             if ea is None:
                 row["status"] = "only_b"
@@ -124,13 +144,10 @@ def diff(
             else:
                 row.update(_compare_tensor_entries(ckpt_a, ea, ckpt_b, eb, tolerance, bar))
             rows.append(row)
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    frame["numel"] = frame["numel"].astype("Int64")
-    frame.attrs.update(a=_location(ckpt_a), b=_location(ckpt_b), rtol=rtol, atol=atol)
-    return frame
+    return rows
 
 
-def _location(ckpt: Checkpoint) -> str:
+def _location(ckpt: Source) -> str:
     """Where a checkpoint is: its directory, or the one file that was named."""
     files = ckpt.detection.files
     return ckpt.storage.describe(files[0]) if files and len(files) == 1 else ckpt.url
@@ -157,7 +174,7 @@ def map_key(key: str, key_map: KeyMap = None) -> str:
     return key
 
 
-def _mapped(ckpt: Checkpoint, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:
+def _mapped(ckpt: Source, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:
     """Mapped key → entry of the selected entries of ``ckpt``; two keys mapping to one refused."""
     patterns = [keys] if isinstance(keys, str) else keys
     out: dict[str, Entry] = {}
@@ -206,7 +223,7 @@ class _Tolerance:
 
 
 def _compare_tensor_entries(
-    ckpt_a: Checkpoint, ea: Entry, ckpt_b: Checkpoint, eb: Entry, tol: _Tolerance, bar
+    ckpt_a: Source, ea: Entry, ckpt_b: Source, eb: Entry, tol: _Tolerance, bar
 ) -> dict[str, Any]:
     if ea.shape != eb.shape:
         bar.update(max(ea.nbytes, eb.nbytes))
@@ -428,7 +445,7 @@ def as_float(buf: memoryview, dt: DType) -> np.ndarray:
 
 
 def _compare_objects(
-    ckpt_a: Checkpoint, ckpt_b: Checkpoint, pairs: list[tuple[Entry, Entry]]
+    ckpt_a: Source, ckpt_b: Source, pairs: list[tuple[Entry, Entry]]
 ) -> dict[str, tuple[str, str]]:
     """a's key → (status, note) for each pair of object entries, compared by value."""
     if not pairs:
@@ -446,7 +463,7 @@ def _compare_objects(
     return out
 
 
-def _read_objects(ckpt: Checkpoint, entries: list[Entry]) -> list[Any]:
+def _read_objects(ckpt: Source, entries: list[Entry]) -> list[Any]:
     """Decoded values; torch is imported only for objects that hold tensors."""
     values = ckpt.reader.read_objects(entries, tensors="ref")
     for i, value in enumerate(values):

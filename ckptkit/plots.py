@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .catalog import Chunk
-from .checkpoint import Checkpoint, open_source
 from .diff import KeyMap, aligned_blocks, as_float, map_key
 from .errors import KeyNotFoundError, UsageError
+from .source import Source, open_source
 from .tables import human_bytes
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ def plot_diff_by_layer(
 
 
 def plot_diff_histogram(
-    a: str | Checkpoint,
-    b: str | Checkpoint,
+    a: str | Source,
+    b: str | Source,
     key: str,
     *,
     key_b: str | None = None,
@@ -256,7 +256,7 @@ def plot_diff_histogram(
     return ax
 
 
-def _find(ckpt: Checkpoint, name: str, key_map: KeyMap) -> Any:
+def _find(ckpt: Source, name: str, key_map: KeyMap) -> Any:
     for entry in ckpt.catalog.entries.values():
         if map_key(entry.key, key_map) == name:
             return entry
@@ -270,7 +270,7 @@ MAX_RECTS_PER_CHUNK = 256
 
 
 def plot_chunk_layout(
-    source: str | Checkpoint,
+    source: str | Source,
     key: str,
     *,
     ax: Axes | None = None,
@@ -282,8 +282,7 @@ def plot_chunk_layout(
     tensor is a bar; dims after the first are flattened into columns; flat-parameter shards
     cover row ranges that may start and end mid-row. One colour per holder.
     """
-    from matplotlib.patches import Patch, Rectangle
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.patches import Patch
 
     entry = open_source(source, storage_options).entry(key)
     if entry.kind != "tensor":
@@ -301,36 +300,10 @@ def plot_chunk_layout(
         color = colors.setdefault(label, _color(len(colors)))
         rects, rough = _chunk_rects(copies[0], entry.shape)
         approx |= rough
-        for r0, r1, c0, c1 in rects:
-            ax.add_patch(
-                Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color, edgecolor="white", lw=1.5)
-            )
-        if not rects:
-            continue
-        r0, r1, c0, c1 = max(rects, key=lambda r: (r[1] - r[0]) * (r[3] - r[2]))
-        if len(boxes) > 16 or r1 - r0 < 0.12 * rows or c1 - c0 < 0.15 * cols:
+        text = f"{label}\n{'×'.join(map(str, copies[0].sizes))}"
+        if rects and not _draw_box(ax, rects, color, text, (rows, cols), crowded=len(boxes) > 16):
             unlabelled += 1  # too small to write in: the legend names it
-        else:
-            sizes = "×".join(map(str, copies[0].sizes))
-            ax.text(
-                (c0 + c1) / 2,
-                (r0 + r1) / 2,
-                f"{label}\n{sizes}",
-                ha="center",
-                va="center",
-                fontsize=8,
-            )
-    ax.set_xlim(0, max(cols, 1))
-    ax.set_ylim(max(rows, 1), 0)  # row 0 at the top, as a matrix is written
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("rows" if len(entry.shape) >= 2 else "")
-    if len(entry.shape) < 2:  # a bar
-        ax.set_yticks([])
-        ax.set_box_aspect(0.25)
-    if not entry.shape:
-        ax.set_xticks([])
+    _layout_axes(ax, entry.shape, rows, cols, xlabel)
     shape = "×".join(map(str, entry.shape)) or "scalar"
     rough = " (approx.)" if approx else ""
     ax.set_title(f"{entry.key}\n{shape}, {len(boxes)} chunk(s){rough}", fontsize=9)
@@ -338,6 +311,42 @@ def plot_chunk_layout(
         handles = [Patch(facecolor=c, label=label) for label, c in list(colors.items())[:12]]
         ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return ax
+
+
+def _draw_box(
+    ax: Axes, rects: list[tuple], color: Any, text: str, grid: tuple[int, int], *, crowded: bool
+) -> bool:
+    """Fill one stored box's (non-empty) rectangles; write ``text`` in the largest one unless
+    it is too small (or the plot too crowded) to hold it. True when the text was written."""
+    from matplotlib.patches import Rectangle
+
+    for r0, r1, c0, c1 in rects:
+        ax.add_patch(
+            Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color, edgecolor="white", lw=1.5)
+        )
+    rows, cols = grid
+    r0, r1, c0, c1 = max(rects, key=lambda r: (r[1] - r[0]) * (r[3] - r[2]))
+    if crowded or r1 - r0 < 0.12 * rows or c1 - c0 < 0.15 * cols:
+        return False
+    ax.text((c0 + c1) / 2, (r0 + r1) / 2, text, ha="center", va="center", fontsize=8)
+    return True
+
+
+def _layout_axes(ax: Axes, shape: tuple[int, ...], rows: int, cols: int, xlabel: str) -> None:
+    """Limits, integer ticks and labels for a tensor drawn as a matrix (a bar when 1-D)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlim(0, max(cols, 1))
+    ax.set_ylim(max(rows, 1), 0)  # row 0 at the top, as a matrix is written
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("rows" if len(shape) >= 2 else "")
+    if len(shape) < 2:  # a bar
+        ax.set_yticks([])
+        ax.set_box_aspect(0.25)
+    if not shape:
+        ax.set_xticks([])
 
 
 def plot_value_histogram(stats: Mapping[str, Any], *, ax: Axes | None = None) -> Axes:

@@ -26,6 +26,7 @@ from .pickle_limits import OBJECT_LIMITS
 from .records import (
     SafetensorsHeader,
     TensorData,
+    TorchArchive,
     ZipIndex,
     check_crc,
     decode_object_record,
@@ -78,7 +79,7 @@ class Reader:
                 f"cannot be allocated ({type(exc).__name__})"
             ) from exc
         for batch in _batches([c for c in chunks if c.record is not None]):
-            for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
+            for chunk, data in zip(batch, self.decode_chunks(entry, batch), strict=True):
                 _place(out, chunk, data, entry, self.storage.describe(chunk.record.file))
             data = None  # release this batch's records before the next batch is read
         return out
@@ -92,7 +93,7 @@ class Reader:
             return
         ordered = sorted((c for c in chunks if c.record is not None), key=lambda c: c.offsets[:1])
         for batch in _batches(ordered):
-            for chunk, data in zip(batch, self._decode_tensors(entry, batch), strict=True):
+            for chunk, data in zip(batch, self.decode_chunks(entry, batch), strict=True):
                 source = self.storage.describe(chunk.record.file)
                 view = strided_view(data, source)
                 if view.size != chunk.numel or (not chunk.flat and view.shape != chunk.sizes):
@@ -104,7 +105,7 @@ class Reader:
 
     def read_chunk(self, entry: Entry, chunk: Chunk) -> memoryview:
         """One stored chunk's elements as row-major bytes."""
-        (data,) = self._decode_tensors(entry, [chunk])
+        (data,) = self.decode_chunks(entry, [chunk])
         view = strided_view(data, self.storage.describe(chunk.record.file))
         if view.size != chunk.numel:
             raise MismatchError(
@@ -119,7 +120,12 @@ class Reader:
         array = self.read_array(entry)
         return torch.from_numpy(array).view(dtypes.to_torch(entry.dtype))
 
-    def _decode_tensors(self, entry: Entry, chunks: list[Chunk]) -> list[TensorData]:
+    def decode_chunks(self, entry: Entry, chunks: list[Chunk]) -> list[TensorData]:
+        """What each of ``chunks`` (chunks of the tensor ``entry`` that have a record) stores:
+        its records fetched in one batch of reads, checked against their CRC-32 when
+        :attr:`verify_crc`, decoded, and their dtype checked against the entry's
+        (:class:`MismatchError`). The results view the fetched bytes, so pass a bounded batch
+        (:data:`BATCH_BYTES`); the caller checks shapes against ``chunk.sizes``."""
         records = [c.record for c in chunks]
         self._load_safetensors_headers([r for r in records if r.encoding is Encoding.SAFETENSORS])
         ranges = [self._byte_range(r) for r in records]
@@ -156,6 +162,31 @@ class Reader:
                 )
             out.append(data)
         return out
+
+    def read_record(self, entry: Entry, chunk: Chunk) -> bytes:
+        """``chunk``'s stored record byte for byte (any byte transform such as zstd left in
+        place), for copying it unchanged. When :attr:`verify_crc`, its CRC-32 is checked first:
+        the one the format stores for the record, and for a torch.save record every member's
+        (the transform undone for that, within the size its chunk allows)."""
+        record = chunk.record
+        if record is None:
+            raise FormatError(f"{entry.key!r}: the chunk at {list(chunk.offsets)} has no record")
+        (data,) = self.read_ranges(
+            [(record.file, record.offset, record.offset + record.length)], entry.key
+        )
+        if self.verify_crc:
+            source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
+            if record.crc32 is not None:
+                check_crc(data, record.crc32, source)
+            if record.encoding is Encoding.TORCH_SAVE:
+                limit = (
+                    tensor_archive_limit(chunk.numel * entry.dtype.itemsize)
+                    if entry.kind == "tensor"
+                    else OBJECT_LIMITS.max_bytes
+                )
+                raw = undo_transform(data, record.transform, source, limit=limit)
+                TorchArchive(raw, source).check_crc()
+        return data
 
     def read_ranges(self, ranges: list[tuple[str, int, int]], key: str) -> list[bytes]:
         """``storage.read_ranges`` naming ``key`` in errors; a range past the end of its file

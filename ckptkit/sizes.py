@@ -10,11 +10,13 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Checkpoint, open_source
 from .errors import MissingFileError, UsageError
+from .source import Source, open_source
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from .catalog import Catalog
 
 #: The columns group bytes are summed into, in display order.
 CATEGORIES = ("model", "optimizer", "trainer", "other")
@@ -68,7 +70,7 @@ def category(group: str, extra: Mapping[str, str] | None = None) -> str:
 
 
 def compare_sizes(
-    *sources: str | Checkpoint,
+    *sources: str | Source,
     labels: Sequence[str] | None = None,
     categories: Mapping[str, str] | None = None,
     storage_options: dict | None = None,
@@ -108,16 +110,38 @@ def compare_sizes(
     return frame
 
 
-def _sizes(ckpt: Checkpoint, extra: Mapping[str, str] | None) -> dict[str, Any]:
-    catalog = ckpt.catalog
-    files = ckpt.files
+def _sizes(source: Source, extra: Mapping[str, str] | None) -> dict[str, Any]:
+    from .tables import files_table
+
+    catalog, storage = source.catalog, source.storage
+    files = files_table(catalog, storage.sizes(catalog.files))
     missing = files.loc[files["size"].isna(), "file"].tolist()
     if missing:
-        raise MissingFileError(f"{ckpt.storage.describe(missing[0])}: no such file")
-    metadata_names = list(catalog.info.get("metadata_files", []))
-    metadata_sizes = ckpt.storage.sizes(metadata_names) if metadata_names else {}
+        raise MissingFileError(f"{storage.describe(missing[0])}: no such file")
+    metadata_names = list(catalog.facts.metadata_files)
+    metadata_sizes = storage.sizes(metadata_names) if metadata_names else {}
     metadata_bytes = sum(size or 0 for size in metadata_sizes.values())
+    by_category, by_dtype, tensor_bytes, object_bytes = _stored_bytes(catalog, extra)
+    data_bytes = int(files["size"].sum())
+    return {
+        "format": catalog.format,
+        "files": len(files) + len(metadata_names),
+        "records": int(files["records"].sum()),
+        "size": data_bytes + metadata_bytes,
+        **by_category,
+        "tensor_bytes": tensor_bytes,
+        "object_bytes": object_bytes,
+        "overhead_bytes": data_bytes - tensor_bytes - object_bytes,
+        "metadata_bytes": metadata_bytes,
+        "dtypes": by_dtype,
+    }
 
+
+def _stored_bytes(
+    catalog: Catalog, extra: Mapping[str, str] | None
+) -> tuple[dict[str, int], dict[str, int], int, int]:
+    """``(bytes by category, tensor bytes by dtype, tensor bytes, object bytes)`` the records
+    of ``catalog`` hold."""
     by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
     by_dtype: dict[str, int] = defaultdict(int)
     tensor_bytes = 0
@@ -141,23 +165,10 @@ def _sizes(ckpt: Checkpoint, extra: Mapping[str, str] | None) -> dict[str, Any]:
     for (_, _, length), cats in shared.items():
         by_category[cats.pop() if len(cats) == 1 else "other"] += length
         object_bytes += length
-
-    data_bytes = int(files["size"].sum())
-    return {
-        "format": catalog.format,
-        "files": len(files) + len(metadata_names),
-        "records": int(files["records"].sum()),
-        "size": data_bytes + metadata_bytes,
-        **by_category,
-        "tensor_bytes": tensor_bytes,
-        "object_bytes": object_bytes,
-        "overhead_bytes": data_bytes - tensor_bytes - object_bytes,
-        "metadata_bytes": metadata_bytes,
-        "dtypes": dict(by_dtype),
-    }
+    return by_category, dict(by_dtype), tensor_bytes, object_bytes
 
 
-def _labels(sources: Sequence[Any], ckpts: list[Checkpoint]) -> list[str]:
+def _labels(sources: Sequence[Any], ckpts: list[Source]) -> list[str]:
     """Short unique names: the last path component, more of the path when that repeats."""
     paths = []
     for source, ckpt in zip(sources, ckpts, strict=True):

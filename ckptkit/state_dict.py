@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .checkpoint import Checkpoint, open_source
 from .errors import FormatError, LimitExceededError, OutputNameError
+from .source import Source, open_source
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ def _grow(items: list, index: int) -> None:
 
 
 def load_state_dict(
-    src: str | Checkpoint,
+    src: str | Source,
     *,
     keys: Sequence[str] | str | None = None,
     groups: Sequence[str] | str | None = None,
@@ -105,7 +105,7 @@ class LoadResult(NamedTuple):
 
 def from_checkpoint(
     module: torch.nn.Module,
-    src: str | Checkpoint,
+    src: str | Source,
     *,
     prefix: str = "model.",
     strict: bool = True,

@@ -29,11 +29,10 @@ from .errors import (
     UnsafePickleError,
 )
 from .reading import BATCH_BYTES, Reader, check_coverage, strided_view
+from .source import Source, open_source
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from .checkpoint import Checkpoint
 
 COLUMNS = ["file", "key", "problem", "detail"]
 
@@ -68,23 +67,22 @@ class Problem:
 
 
 def verify(
-    url: str, *, storage_options: dict[str, Any] | None = None, crc: bool = True
+    src: str | Source, *, storage_options: dict[str, Any] | None = None, crc: bool = True
 ) -> pd.DataFrame:
-    """Problems of the checkpoint at ``url`` (see :meth:`ckptkit.Checkpoint.verify`); a
-    checkpoint that cannot even be opened (missing ``.metadata``, a rank file missing from a
-    set) is one problem row rather than an exception."""
-    from .checkpoint import open as open_checkpoint
-
+    """Problems of the checkpoint at ``src`` (a path, fsspec URL or open checkpoint; see
+    :meth:`ckptkit.Checkpoint.verify`); a checkpoint that cannot even be opened (missing
+    ``.metadata``, a rank file missing from a set) is one problem row rather than an
+    exception."""
     try:
-        ckpt = open_checkpoint(url, storage_options=storage_options, verify_crc=crc)
+        source = open_source(src, storage_options, verify_crc=crc)
     except CheckpointError as exc:
         return _frame([Problem(None, None, problem_kind(exc), str(exc))])
-    return verify_checkpoint(ckpt, crc=crc)
+    return verify_checkpoint(source, crc=crc)
 
 
-def verify_checkpoint(ckpt: Checkpoint, *, crc: bool = True) -> pd.DataFrame:
+def verify_checkpoint(source: Source, *, crc: bool = True) -> pd.DataFrame:
     """Problems of an open checkpoint: one row per damaged file, record or tensor."""
-    return _frame(list(_problems(ckpt, crc)))
+    return _frame(list(_problems(source, crc)))
 
 
 def _frame(problems: list[Problem]) -> pd.DataFrame:
@@ -93,8 +91,8 @@ def _frame(problems: list[Problem]) -> pd.DataFrame:
     return pd.DataFrame([vars(p) for p in problems], columns=COLUMNS)
 
 
-def _problems(ckpt: Checkpoint, crc: bool) -> Iterator[Problem]:
-    catalog, storage = ckpt.catalog, ckpt.storage
+def _problems(source: Source, crc: bool) -> Iterator[Problem]:
+    catalog, storage = source.catalog, source.storage
     reader = Reader(storage, catalog.object_globals, verify_crc=crc)
     records = [
         (entry, chunk)
@@ -104,13 +102,30 @@ def _problems(ckpt: Checkpoint, crc: bool) -> Iterator[Problem]:
     ]
     files = list(dict.fromkeys([*catalog.files, *(c.record.file for _, c in records)]))
     sizes = storage.sizes(files)
+    yield from _missing_files(files, sizes, records)
+    unreadable: set[int] = set()  # id() of records not worth reading
+    yield from _truncated_records(records, sizes, unreadable)
+    for entry in catalog.tensors():
+        yield from _tensor_problems(reader, entry, unreadable)
+    yield from _object_problems(reader, catalog.objects(), unreadable)
+
+
+def _missing_files(
+    files: list[str], sizes: dict[str, int | None], records: list[tuple[Entry, Chunk]]
+) -> Iterator[Problem]:
+    """A row per file that is not there, naming a few of the keys it holds."""
     for file in files:
         if sizes.get(file) is None:
             keys = sorted({e.key for e, c in records if c.record.file == file})
             shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
             yield Problem(file, None, "missing file", f"no such file; it holds {shown or '-'}")
 
-    unreadable: set[int] = set()  # id() of records not worth reading
+
+def _truncated_records(
+    records: list[tuple[Entry, Chunk]], sizes: dict[str, int | None], unreadable: set[int]
+) -> Iterator[Problem]:
+    """A row per record past the end of its file; those and records of missing files are
+    added to ``unreadable``."""
     for entry, chunk in records:
         record, size = chunk.record, sizes.get(chunk.record.file)
         if size is None:
@@ -125,17 +140,25 @@ def _problems(ckpt: Checkpoint, crc: bool) -> Iterator[Problem]:
                 f"the file has {size} bytes",
             )
 
-    for entry in catalog.tensors():
-        distinct = list({(c.flat, c.offsets, c.sizes): c for c in entry.chunks}.values())
-        try:
-            check_coverage(entry, distinct)
-        except (CoverageError, LimitExceededError) as exc:
-            yield Problem(None, entry.key, problem_kind(exc), str(exc))
-        readable = [c for c in distinct if c.record is not None and id(c.record) not in unreadable]
-        yield from _check_tensor(reader, entry, readable)
 
-    shared: dict[tuple, list[Entry]] = {}  # leaves of one pickle are checked together
-    for entry in catalog.objects():
+def _tensor_problems(reader: Reader, entry: Entry, unreadable: set[int]) -> Iterator[Problem]:
+    """Coverage of ``entry`` by its distinct chunks, then every readable chunk read."""
+    distinct = list({(c.flat, c.offsets, c.sizes): c for c in entry.chunks}.values())
+    try:
+        check_coverage(entry, distinct)
+    except (CoverageError, LimitExceededError) as exc:
+        yield Problem(None, entry.key, problem_kind(exc), str(exc))
+    readable = [c for c in distinct if c.record is not None and id(c.record) not in unreadable]
+    yield from _check_tensor(reader, entry, readable)
+
+
+def _object_problems(
+    reader: Reader, objects: list[Entry], unreadable: set[int]
+) -> Iterator[Problem]:
+    """Every readable object decoded; the leaves of one pickle are decoded together (a row
+    for the pickle, no key, when it fails)."""
+    shared: dict[tuple, list[Entry]] = {}
+    for entry in objects:
         record = entry.chunks[0].record if entry.chunks else None
         if record is None or id(record) in unreadable:
             continue
@@ -180,7 +203,7 @@ def _check_tensor(reader: Reader, entry: Entry, chunks: list[Chunk]) -> Iterator
 
 
 def _read_chunks(reader: Reader, entry: Entry, chunks: list[Chunk]) -> None:
-    for chunk, data in zip(chunks, reader._decode_tensors(entry, chunks), strict=True):
+    for chunk, data in zip(chunks, reader.decode_chunks(entry, chunks), strict=True):
         source = f"{reader.storage.describe(chunk.record.file)} @{chunk.record.offset}"
         view = strided_view(data, f"{source} ({entry.key})")
         if view.size != chunk.numel or (not chunk.flat and view.shape != chunk.sizes):
