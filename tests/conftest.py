@@ -47,6 +47,30 @@ def written(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ws2(written) -> Written:
+    """The FSDP2 sample at two ranks, ``written("fsdp2_ws2")`` (diff, sizes and plot tests)."""
+    return written("fsdp2_ws2")
+
+
+@pytest.fixture(scope="session")
+def mutant(ws2, tmp_path_factory) -> Path:
+    """ws2's reference state with one change of each kind (``writers.mutant_state``), saved by
+    a single-process ``dcp.save``."""
+    return writers.write_mutant(tmp_path_factory.mktemp("mutant") / "ckpt", ws2.reference())
+
+
+@pytest.fixture(scope="session")
+def unsharded(ws2, tmp_path_factory) -> Path:
+    """ws2 unsharded by ckptkit: ``<root>/st`` (safetensors) and ``<root>/pt`` (torch.save)."""
+    import ckptkit
+
+    root = tmp_path_factory.mktemp("unsharded")
+    ckptkit.unshard(str(ws2.path), str(root / "st"), to="safetensors", progress=False)
+    ckptkit.unshard(str(ws2.path), str(root / "pt"), progress=False)
+    return root
+
+
+@pytest.fixture(scope="session")
 def s3() -> s3server.Server:
     """A real S3-protocol server (moto) on 127.0.0.1 for the session; ``AWS_ENDPOINT_URL`` and
     dummy credentials are exported, and ``s3.traffic`` logs requests and injects failures."""

@@ -152,3 +152,68 @@ def dcp_load_model(path: Path, world_size: int, reference_path: Path, tmp_dir: P
     result = tmp_dir / f"dcp_load_ws{world_size}.json"
     _spawn(_load_rank, world_size, str(path), str(reference_path), str(result))
     return json.loads(result.read_text())
+
+
+def torch_keys(path: str | Path, *, tensors_only: bool = False) -> list[str]:
+    """The keys (or only the tensors' keys) torch's own ``FileSystemReader`` lists in a DCP
+    checkpoint's metadata."""
+    items = FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+    return [k for k, v in items if not tensors_only or isinstance(v, TensorStorageMetadata)]
+
+
+#: Opens each path given with ``import torch`` blocked and checks what needs no oracle: the
+#: tables are filled (objects: one row per entry), the summary's totals are the catalog's
+#: shapes and the data files' sizes on disk, the objects table previews the values read, and
+#: ``read()`` (which needs torch) refuses. Prints, for the test to compare with its oracle,
+#: every tensor's bytes (sha256, as read by ``read_numpy``) and every object as read (pickled,
+#: base64).
+TORCH_FREE_INSPECTION = r"""
+import base64, hashlib, math, os, pickle, sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+import ckptkit
+from ckptkit.tables import preview
+
+seen = []
+for path in sys.argv[1:]:
+    ckpt = ckptkit.open(path)
+    for table in (ckpt.tensors, ckpt.chunks, ckpt.files):
+        assert len(table) > 0, path
+    tensors, objects = ckpt.catalog.tensors(), ckpt.catalog.objects()
+    assert len(ckpt.objects) == len(objects), path  # one row per object entry
+    summary = ckpt.summary()
+    model = [e for e in tensors if e.group == "model"] or tensors
+    assert summary.parameters == sum(math.prod(e.shape) for e in model), path
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    on_disk = sum(os.path.getsize(os.path.join(root, f)) for f in ckpt.catalog.files)
+    assert summary.total_bytes == on_disk, (path, summary.total_bytes, on_disk)
+    assert f"<b>{summary.parameters:,}</b> parameters" in summary._repr_html_()
+    assert "<b>" in ckpt._repr_html_()
+    values = {e.key: ckpt.read_object(e.key) for e in objects}
+    previews = ckpt.objects.set_index("key")["preview"].to_dict()
+    assert previews == {key: preview(value) for key, value in values.items()}, path
+    digests = {}
+    for e in tensors:
+        array = ckpt.read_numpy(e.key)
+        assert array.shape == e.shape, e.key
+        digests[e.key] = hashlib.sha256(array.tobytes()).hexdigest()  # row-major bytes
+    try:
+        ckpt.read(tensors[0].key)
+    except ImportError:
+        pass
+    else:
+        raise AssertionError("read() must need torch")
+    seen.append({"tensors": digests, "objects": values})
+sys.stdout.write(base64.b64encode(pickle.dumps(seen)).decode())
+"""
+
+
+def inspect_without_torch(*paths: str | Path) -> list[dict]:
+    """Run :data:`TORCH_FREE_INSPECTION` on ``paths``; per path, what it read without torch:
+    ``{"tensors": {key: sha256 of the bytes}, "objects": {key: value}}``."""
+    import base64
+    import pickle
+
+    from isolated import run_script
+
+    out = run_script(TORCH_FREE_INSPECTION, *paths)
+    return pickle.loads(base64.b64decode(out))  # noqa: S301 - our own subprocess's output

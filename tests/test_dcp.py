@@ -111,7 +111,7 @@ def test_rank_local_metadata_is_unioned_with_ranks(written):
     ckpt_dir = written("no_collectives")
     assert not (ckpt_dir.path / ".metadata").exists()
     ckpt = ckptkit.open(str(ckpt_dir.path))
-    assert ckpt.catalog.info["metadata_files"] == ["__0.metadata", "__1.metadata"]
+    assert ckpt.catalog.facts.metadata_files == ("__0.metadata", "__1.metadata")
     per_rank = {}
     for rank in (0, 1):
         with open(ckpt_dir.path / f"__{rank}.metadata", "rb") as f:

@@ -4,6 +4,7 @@ written here by torch or the safetensors library and read back against them."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import json
 import os
@@ -22,8 +23,7 @@ from ckptkit.catalog import Encoding
 from ckptkit.state_dict import load_state_dict
 from ckptkit.unpickler import is_opaque
 
-from isolated import run_script
-from oracle import assert_bit_equal
+from oracle import assert_bit_equal, inspect_without_torch, raw_bytes
 from writers import write_hf_safetensors
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -114,8 +114,9 @@ def test_torch_save_single_file(tmp_path):
     loaded = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     ckpt = ckptkit.open(str(tmp_path / "ckpt.pt"))
     assert ckpt.format == "torch_save"
-    assert ckpt.detection.files == ["ckpt.pt"] and ckpt.catalog.files == ["ckpt.pt"]
-    _assert_matches(ckpt, _torch_leaves(loaded), "ckpt")  # keys sit under the file's stem
+    assert ckpt.detection.files == ["ckpt.pt"] and ckpt.catalog.files == ("ckpt.pt",)
+    leaves = _torch_leaves(loaded)
+    _assert_matches(ckpt, leaves, "ckpt")  # keys sit under the file's stem
     assert ckpt.entry("ckpt.optim.state.0.step").path == ("ckpt", "optim", "state", "0", "step")
     assert ckpt.entry("ckpt.optim.param_groups.0.lr").path == (
         "ckpt",
@@ -137,7 +138,9 @@ def test_torch_save_single_file(tmp_path):
     assert (row.offset, row.length) == (base.offset + 2 * 6 * 4, 6 * 4)
     assert ckpt.entry("ckpt.model.empty").chunks[0].record is None
     # tables work and nest() rebuilds the structure (int dict keys become strings, as in DCP)
-    assert len(ckpt.tensors) == 13 and len(ckpt.objects) == 8 and len(ckpt.files) == 1
+    n_tensors = sum(isinstance(value, torch.Tensor) for value in leaves.values())
+    assert len(ckpt.tensors) == n_tensors and len(ckpt.objects) == len(leaves) - n_tensors
+    assert len(ckpt.files) == 1
     rebuilt = load_state_dict(ckpt)["ckpt"]
     assert rebuilt["train"]["note"] == "hello" and rebuilt["optim"]["param_groups"][0]["lr"] == 1e-3
     assert_bit_equal(
@@ -307,7 +310,7 @@ def test_safetensors_single_file(tmp_path):
     ckpt = ckptkit.open(str(tmp_path / "weights.safetensors"))
     assert ckpt.format == "safetensors"
     assert set(ckpt) == {f"weights.{name}" for name in expected}
-    assert ckpt.catalog.info["metadata"] == {"weights.safetensors": {"format": "pt"}}
+    assert ckpt.catalog.facts.header_metadata == {"weights.safetensors": {"format": "pt"}}
     for name, tensor in expected.items():
         key = f"weights.{name}"  # under the file's stem, as when its directory is opened
         assert ckpt.entry(key).path == ("weights", name)
@@ -353,7 +356,7 @@ def test_safetensors_preferred_over_torch_save(tmp_path):
     torch.save({"param_groups": [{"lr": 0.1}]}, tmp_path / "model.objects.pt")
     ckpt = ckptkit.open(str(tmp_path))
     assert ckpt.format == "safetensors"
-    assert ckpt.catalog.info["skipped"] == {"model.pt": "model is read from safetensors"}
+    assert ckpt.catalog.facts.skipped_files == {"model.pt": "model is read from safetensors"}
     assert "model.pt" not in ckpt.catalog.files
     assert set(ckpt) == {f"model.{k}" for k in tensors} | {
         "train.step",
@@ -396,36 +399,44 @@ def test_unshard_output_reads_back(tmp_path, to):
         assert_bit_equal(ckpt.read(entry.key), source.read(entry.key), entry.key)
 
 
-TORCH_FREE = r"""
-import sys
-sys.modules["torch"] = None  # any `import torch` now raises ImportError
-import ckptkit
-from ckptkit.unpickler import is_opaque
-
-for path in sys.argv[1:]:
-    ckpt = ckptkit.open(path)
-    for table in (ckpt.tensors, ckpt.chunks, ckpt.files):
-        assert len(table) > 0, path
-    ckpt.summary()
-    for key in ckpt.tensors["key"]:
-        assert ckpt.read_numpy(key).size == ckpt.entry(key).numel, key
-    for entry in ckpt.catalog.objects():
-        ckpt.read_object(entry.key)
-    try:
-        ckpt.read(ckpt.tensors["key"].iloc[0])
-    except ImportError:
-        pass
-    else:
-        raise AssertionError("read() must need torch")
-print("torch-free ok")
-"""
-
-
 def test_unsharded_without_torch(tmp_path):
+    """With torch blocked (oracle.TORCH_FREE_INSPECTION): every tensor's bytes and every object
+    equal what torch.load / safetensors' load_file give for the files written here."""
     torch.save(_state_dict(), tmp_path / "ckpt.pt")
     save_file(_tensors(), tmp_path / "weights.safetensors")
     (tmp_path / "dir").mkdir()
     torch.save(_state_dict()["model"], tmp_path / "dir" / "model.pt")
     torch.save({"step": 3}, tmp_path / "dir" / "train.pt")
-    paths = [tmp_path / "ckpt.pt", tmp_path / "weights.safetensors", tmp_path / "dir"]
-    assert "torch-free ok" in run_script(TORCH_FREE, *paths)
+    leaves = {  # per path: (key path, value) as torch reads it back
+        "ckpt.pt": {
+            ("ckpt", *path): value
+            for path, value in _torch_leaves(
+                torch.load(tmp_path / "ckpt.pt", weights_only=False)
+            ).items()
+        },
+        "weights.safetensors": {
+            ("weights", name): tensor
+            for name, tensor in load_file(tmp_path / "weights.safetensors").items()
+        },
+        "dir": {
+            (group, *path): value
+            for group in ("model", "train")
+            for path, value in _torch_leaves(
+                torch.load(tmp_path / "dir" / f"{group}.pt", weights_only=False)
+            ).items()
+        },
+    }
+    paths = [tmp_path / name for name in leaves]
+    for path, read in zip(paths, inspect_without_torch(*paths), strict=True):
+        expected = {".".join(map(str, p)): value for p, value in leaves[path.name].items()}
+        tensors = {key for key, value in expected.items() if isinstance(value, torch.Tensor)}
+        assert read["tensors"].keys() == tensors, path
+        assert read["objects"].keys() == expected.keys() - tensors, path
+        for key, digest in read["tensors"].items():
+            assert digest == hashlib.sha256(raw_bytes(expected[key])).hexdigest(), key
+        for key, value in read["objects"].items():
+            if isinstance(expected[key], np.ndarray):
+                np.testing.assert_array_equal(value, expected[key])
+                assert value.dtype == expected[key].dtype, key
+            else:
+                assert type(value) is type(expected[key]) and value == expected[key], key

@@ -315,3 +315,36 @@ def write_hf_safetensors(root: pathlib.Path, tensors: dict[str, torch.Tensor], s
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text("{}")
     return index
+
+
+# --------------------------------------------------------------------------------------------
+# A mutant copy of the fsdp2_ws2 sample: one change of each kind `ckptkit.diff` tells apart.
+
+# keys of the mutant copy (model group of fsdp2_ws2's reference, relative to "model")
+PERTURBED = "blocks.1.fc1.weight"  # one element + 0.25
+CLOSE = "blocks.0.qkv.weight"  # × (1 + 2e-6): inside rtol=1e-5
+REMOVED = "ln_f.bias"
+ADDED = "extra.weight"
+RECAST = "odd"  # float32 → bfloat16
+RESHAPED = "adapter.up.bias"  # (48,) → (40,)
+MUTANT_STEP = 99  # train.step of the mutant
+
+
+def mutant_state(reference: dict) -> dict:
+    """The ``model`` and ``train`` groups of ``reference`` (fsdp2_ws2's), with the changes above."""
+    model = {k: v.clone() for k, v in reference["model"].items()}
+    model[PERTURBED][3, 5] += 0.25
+    model[CLOSE] = model[CLOSE] * (1 + 2e-6)
+    del model[REMOVED]
+    model[ADDED] = torch.ones(3, 4)
+    model[RECAST] = model[RECAST].to(torch.bfloat16)
+    model[RESHAPED] = model[RESHAPED][:40].clone()
+    train = dict(reference["train"], step=MUTANT_STEP)
+    return {"model": model, "train": train}
+
+
+def write_mutant(path: str | os.PathLike, reference: dict) -> pathlib.Path:
+    """A single-process `dcp.save` of `mutant_state(reference)`."""
+    path = pathlib.Path(path)
+    dcp.save(mutant_state(reference), storage_writer=FileSystemWriter(path))
+    return path
