@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 import numpy as np
 
-from .catalog import Chunk, Entry
+from .catalog import Chunk, Entry, distinct_chunks
 from .diff import as_float, map_key
 from .diff import diff as diff_checkpoints
 from .errors import CheckpointError, KeyNotFoundError
@@ -384,11 +384,7 @@ def _glob_escape(key: str) -> str:
 
 def _distinct_chunks(entry: Entry) -> list[Chunk]:
     """One chunk per stored box (replicas dropped), empty ones left out."""
-    seen: dict[tuple, Chunk] = {}
-    for chunk in entry.chunks:
-        if chunk.record is not None and chunk.numel:
-            seen.setdefault((chunk.flat, chunk.offsets, chunk.sizes), chunk)
-    return list(seen.values())
+    return [c for c in distinct_chunks(entry.chunks) if c.record is not None and c.numel]
 
 
 class _Running:

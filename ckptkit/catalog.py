@@ -52,6 +52,15 @@ class Record:
     crc32: int | None = None  # CRC-32 of exactly these bytes when the format stores one
 
 
+def distinct_chunks(chunks: Iterable[Chunk]) -> list[Chunk]:
+    """One chunk per stored box: replicas (the same box saved by several ranks) dropped, the
+    first copy (rank 0's) kept."""
+    seen: dict[tuple, Chunk] = {}
+    for chunk in chunks:
+        seen.setdefault((chunk.flat, chunk.offsets, chunk.sizes), chunk)
+    return list(seen.values())
+
+
 def pickle_leaf(
     file: str,
     offset: int,

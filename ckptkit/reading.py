@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .catalog import Chunk, Encoding, Entry, Record, leaf_path
+from .catalog import Chunk, Encoding, Entry, Record, distinct_chunks, leaf_path
 from .errors import (
     CorruptRecordError,
     FormatError,
@@ -31,9 +31,8 @@ from .records import (
     check_crc,
     decode_object_record,
     decode_tensor_record,
-    parse_safetensors_header,
+    read_safetensors_headers,
     read_zip_indexes,
-    safetensors_header_length,
     tensor_archive_limit,
     undo_transform,
 )
@@ -227,20 +226,8 @@ class Reader:
 
     def _load_safetensors_headers(self, records: list[Record]) -> None:
         blobs = sorted({(r.file, r.offset) for r in records} - self._safetensors_headers.keys())
-        if not blobs:
-            return
-        prefixes = self.storage.read_ranges([(f, o, o + 8) for f, o in blobs])
-        lengths = [
-            safetensors_header_length(p, self.storage.describe(f))
-            for (f, _), p in zip(blobs, prefixes, strict=True)
-        ]
-        raws = self.storage.read_ranges(
-            [(f, o + 8, o + 8 + n) for (f, o), n in zip(blobs, lengths, strict=True)]
-        )
-        for (file, offset), raw in zip(blobs, raws, strict=True):
-            self._safetensors_headers[(file, offset)] = parse_safetensors_header(
-                raw, self.storage.describe(file)
-            )
+        if blobs:
+            self._safetensors_headers.update(read_safetensors_headers(self.storage, blobs))
 
     # -- objects ---------------------------------------------------------------------------
 
@@ -353,10 +340,7 @@ def _pickle_bytes(record: Record, blob: bytes, pickles: dict, source: str) -> An
 def _distinct_chunks(entry: Entry) -> list[Chunk]:
     """Chunks with replicas (the same box saved by several ranks) dropped; checks that they
     cover the tensor exactly once (:func:`check_coverage`)."""
-    seen: dict[tuple, Chunk] = {}
-    for chunk in entry.chunks:
-        seen.setdefault((chunk.flat, chunk.offsets, chunk.sizes), chunk)
-    chunks = list(seen.values())
+    chunks = distinct_chunks(entry.chunks)
     check_coverage(entry, chunks)
     return chunks
 

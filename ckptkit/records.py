@@ -159,6 +159,32 @@ class ZipIndex:
         return found
 
 
+def read_safetensors_headers(
+    storage: Storage, blobs: list[tuple[str, int]]
+) -> dict[tuple[str, int], SafetensorsHeader]:
+    """The parsed header of each safetensors blob ``(file, offset)`` (offset 0: a whole
+    ``.safetensors`` file; else a blob inside a DCP data file), in two batched rounds of range
+    reads: the 8-byte lengths, then the headers."""
+    prefixes = storage.read_ranges([(f, o, o + 8) for f, o in blobs])
+    lengths = [
+        safetensors_header_length(p, storage.describe(f))
+        for (f, _), p in zip(blobs, prefixes, strict=True)
+    ]
+    raws = storage.read_ranges(
+        [(f, o + 8, o + 8 + n) for (f, o), n in zip(blobs, lengths, strict=True)]
+    )
+    return {
+        (f, o): parse_safetensors_header(raw, storage.describe(f))
+        for (f, o), raw in zip(blobs, raws, strict=True)
+    }
+
+
+def safetensors_file_headers(storage: Storage, files: list[str]) -> dict[str, SafetensorsHeader]:
+    """Each ``.safetensors`` file's parsed header (see :func:`read_safetensors_headers`)."""
+    found = read_safetensors_headers(storage, [(file, 0) for file in files])
+    return {file: header for (file, _), header in found.items()}
+
+
 def read_zip_indexes(
     storage: Storage, files: list[str], sizes: Mapping[str, int | None] | None = None
 ) -> dict[str, ZipIndex]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .catalog import Chunk, Encoding, Entry, Record
+from .catalog import Chunk, Encoding, Entry, Record, distinct_chunks
 from .errors import (
     CheckpointError,
     ChecksumError,
@@ -143,7 +143,7 @@ def _truncated_records(
 
 def _tensor_problems(reader: Reader, entry: Entry, unreadable: set[int]) -> Iterator[Problem]:
     """Coverage of ``entry`` by its distinct chunks, then every readable chunk read."""
-    distinct = list({(c.flat, c.offsets, c.sizes): c for c in entry.chunks}.values())
+    distinct = distinct_chunks(entry.chunks)
     try:
         check_coverage(entry, distinct)
     except (CoverageError, LimitExceededError) as exc:

@@ -20,15 +20,23 @@ import math
 import re
 from collections.abc import Mapping
 
-from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
+from ..catalog import (
+    Catalog,
+    CatalogBuilder,
+    Chunk,
+    Encoding,
+    Entry,
+    Facts,
+    Record,
+    distinct_chunks,
+)
 from ..coverage import check_chunks
 from ..dtypes import DType
 from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
 from ..limits import first_missing
-from ..records import SafetensorsHeader
+from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
 from .detection import Detection, file_location
-from .parts.safetensors_files import read_headers
 
 NAME = "hf_dcp_sharded"
 SHARDED_DIR = "sharded"
@@ -55,7 +63,7 @@ def detect(storage: Storage) -> Detection | None:
     if not shards:
         return None
     first = next(iter(shards))
-    (header,) = read_headers(storage, [first]).values()
+    (header,) = safetensors_file_headers(storage, [first]).values()
     if SHARDING_INFO not in header.metadata:
         return None
     return Detection(
@@ -75,7 +83,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
         example = next(iter(shards))
         name = f"shard-{gap + 1:05d}-" + example.split("-", 2)[2]
         raise MissingFileError(f"{storage.describe(name)}: missing (rank {gap}'s shard)")
-    headers = read_headers(storage, list(shards))
+    headers = safetensors_file_headers(storage, list(shards))
     consolidated = _consolidated_shapes(storage)
     boxes: dict[str, list[Chunk]] = {}
     kinds: dict[str, tuple[DType, str]] = {}  # key → dtype, the first file holding it
@@ -161,7 +169,7 @@ def _consolidated_shapes(storage: Storage) -> dict[str, tuple[int, ...]]:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{source}: not a safetensors index: {exc}") from exc
     shapes = {}
-    for file, header in read_headers(parent, sorted(files)).items():
+    for file, header in safetensors_file_headers(parent, sorted(files)).items():
         for fqn, (_, shape, _, _) in header.tensors.items():
             shapes[f"{files[file]}.{fqn}"] = shape
     return shapes
@@ -180,7 +188,7 @@ def _global_shape(
         shape = tuple(
             max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes))
         )
-    distinct = list({(c.offsets, c.sizes): c for c in chunks}.values())
+    distinct = distinct_chunks(chunks)
     try:
         check_chunks(key, shape, distinct)
     except CoverageError as exc:

@@ -22,15 +22,24 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dtypes
-from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record, pickle_leaf
+from ..catalog import (
+    Catalog,
+    CatalogBuilder,
+    Chunk,
+    Encoding,
+    Entry,
+    Facts,
+    Record,
+    distinct_chunks,
+    pickle_leaf,
+)
 from ..coverage import check_chunks
 from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
-from ..records import SafetensorsHeader
+from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, safe_loads
 from .detection import Detection, file_location
 from .parts.rank_sets import TRAIN_GROUP, describe_ranks, rank_files
-from .parts.safetensors_files import read_headers
 from .parts.torch_save_files import leaves
 from .parts.unfinished import check_olmo_config
 
@@ -123,7 +132,7 @@ def _headers(storage: Storage, files: list[str]) -> dict[str, tuple[SafetensorsH
     for file in files:
         if sizes[file] is None:
             raise MissingFileError(f"{storage.describe(file)}: listed in metadata.json, missing")
-    headers = read_headers(storage, files)
+    headers = safetensors_file_headers(storage, files)
     return {file: (headers[file], sizes[file]) for file in files}
 
 
@@ -215,7 +224,7 @@ def _check_cover(source: str, key: str, shape: tuple[int, ...], chunks: list[Chu
     numel = math.prod(shape)
     if not chunks and numel:
         raise FormatError(f"{source}: {key!r}: no file holds any of its {numel} elements")
-    distinct = list({(c.flat, c.offsets, c.sizes): c for c in chunks}.values())
+    distinct = distinct_chunks(chunks)
     try:
         check_chunks(key, shape, distinct)
     except CoverageError as exc:

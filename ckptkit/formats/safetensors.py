@@ -21,11 +21,11 @@ from typing import Any
 
 from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record, pickle_leaf
 from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
+from ..records import safetensors_file_headers
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, safe_loads
 from .detection import Detection, file_location
 from .parts import torch_save_files as torch_save
-from .parts.safetensors_files import read_headers
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
@@ -155,7 +155,7 @@ def _describe_safetensors(
     for file in files:
         if sizes[file] is None:
             raise MissingFileError(f"{storage.describe(file)}: no such file")
-    headers = read_headers(storage, files)
+    headers = safetensors_file_headers(storage, files)
     entries: dict[str, Entry] = {}
     held: set[str] = set()  # <group>.<name as stored>, for the index check
     pending: list[tuple[tuple, Record]] = []  # OLMo's pickled values, decoded below

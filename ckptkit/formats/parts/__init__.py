@@ -1,2 +1,2 @@
 """Building blocks the format adapters share: DCP metadata, torch.save files, per-rank file
-sets, safetensors headers, unfinished-save checks. Adapters import these, never each other."""
+sets, unfinished-save checks. Adapters import these, never each other."""
