@@ -294,11 +294,10 @@ class _MetadataUnion:
             raise FormatError(f"{source}: tensor {fqn!r} has a malformed size {shape!r}")
         self._kind(fqn, ("tensor", dtype, shape), source)
         chunks = item.get("chunks") or []
-        for chunk in chunks:
-            if not isinstance(chunk, _ChunkStorageMetadata) or not (
-                _is_box(chunk.offsets, len(shape)) and _is_box(chunk.sizes, len(shape))
-            ):
-                raise FormatError(f"{source}: tensor {fqn!r} has a malformed chunk")
+        if not isinstance(chunks, list) or not all(
+            type(chunk) is _ChunkStorageMetadata for chunk in chunks
+        ):  # their offsets and sizes are checked by the catalog builder
+            raise FormatError(f"{source}: tensor {fqn!r} has a malformed chunk")
         return chunks
 
     def _attach(
@@ -346,8 +345,7 @@ class _MetadataUnion:
             chunk.record, chunk.rank = info, rank
             # SerializationFormat.SAFETENSORS: the record is the file's safetensors blob and its
             # length is the chunk's element bytes, which no torch.save zip record can be.
-            nbytes = math.prod(chunk.sizes) * self.kinds[fqn][1].itemsize
-            if info.transform is None and info.length == nbytes:
+            if info.transform is None and info.length == _nbytes(chunk, self.kinds[fqn][1]):
                 info.encoding, info.name = Encoding.SAFETENSORS, fqn
 
     def _chunk_at(
@@ -355,7 +353,7 @@ class _MetadataUnion:
     ) -> Chunk:
         """The chunk of ``fqn`` a record's offsets name (when its index hint does not fit)."""
         if fqn not in by_offsets:
-            by_offsets[fqn] = {c.offsets: c for c in chunks}
+            by_offsets[fqn] = {c.offsets: c for c in chunks if _is_box(c.offsets, None)}
         offset = index.offset
         offset = tuple(offset) if isinstance(offset, list | tuple) else None
         chunk = by_offsets[fqn].get(offset) if _is_box(offset, len(self.kinds[fqn][2])) else None
@@ -372,7 +370,9 @@ class _MetadataUnion:
         for fqn, chunks in tensor_chunks.items():
             for chunk in chunks:
                 if chunk.record is None:
-                    if 0 not in chunk.sizes:  # an empty chunk is listed but never written
+                    # an empty chunk is listed but never written (a malformed one is left to
+                    # the catalog builder to name)
+                    if _is_box(chunk.sizes, None) and 0 not in chunk.sizes:
                         raise FormatError(
                             f"{source}: {fqn!r} chunk at {list(chunk.offsets)} has no storage record"
                         )
@@ -403,6 +403,14 @@ def _check_file_name(storage: Storage, source: str, fqn: str, name: str) -> None
         storage.path(name)
     except UnsafePathError as exc:
         raise UnsafePathError(f"{source}: {fqn!r} has a record in {name!r}: {exc}") from None
+
+
+def _nbytes(chunk: Chunk, dtype: DType) -> int | None:
+    """The chunk's element bytes, None when its sizes are malformed (the builder names it)."""
+    try:
+        return math.prod(chunk.sizes) * dtype.itemsize
+    except TypeError:
+        return None
 
 
 def _is_record(fqn: Any, info: _StorageInfo) -> bool:
