@@ -57,9 +57,26 @@ def check_coverage(entry: Entry, chunks: Sequence[Chunk]) -> None:
     check_chunks(entry.key, entry.shape or (), chunks)
 
 
-def check_chunks(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> None:
+def check_chunks(
+    key: str,
+    shape: tuple[int, ...],
+    chunks: Sequence[Chunk],
+    *,
+    source: str | None = None,
+    pieces: str = "chunks",
+) -> None:
     """:func:`check_coverage` for a tensor not yet in an entry (adapters check while they
-    describe): ``key`` for messages, ``shape``, and the distinct chunks."""
+    describe): ``key`` for messages, ``shape``, and the distinct chunks. Messages start with
+    ``source`` (the file that says so) and call the chunks ``pieces`` ("the shards' boxes")."""
+    try:
+        _check(key, shape, chunks, pieces)
+    except (CoverageError, LimitExceededError) as exc:
+        if source is None:
+            raise
+        raise type(exc)(f"{source}: {exc}") from None
+
+
+def _check(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk], pieces: str) -> None:
     numel = math.prod(shape)
     flat, sizes, starts, ends = _held_boxes(key, shape, numel, chunks)
     extent = (numel,) if flat else shape
@@ -73,7 +90,7 @@ def check_chunks(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> N
             raise LimitExceededError(f"{key!r}: {exc}") from None
         what = "overlap" if held > numel else "leave a hole"
         raise CoverageError(
-            f"{key!r}: chunks {what}: they hold {held} elements, the tensor has {numel}"
+            f"{key!r}: {pieces} {what}: they hold {held} elements, the tensor has {numel}"
         ) from None
     if fault is None:
         return
@@ -81,7 +98,7 @@ def check_chunks(key: str, shape: tuple[int, ...], chunks: Sequence[Chunk]) -> N
     what = "overlap" if count > 1 else "leave a hole"
     place = f"flat element {where[0]}" if flat else f"element {where}"
     volume = f" (they hold {held} elements, the tensor has {numel})" if held != numel else ""
-    raise CoverageError(f"{key!r}: chunks {what} at {place}{volume}")
+    raise CoverageError(f"{key!r}: {pieces} {what} at {place}{volume}")
 
 
 def first_fault(

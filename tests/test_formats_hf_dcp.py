@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.errors import FormatError, MissingFileError
+from ckptkit.errors import CoverageError, MissingFileError
 
 from oracle import assert_bit_equal
 
@@ -132,5 +132,7 @@ def test_hf_storage_writer_missing_rank_shard(hf_written, tmp_path):
     (
         tmp_path / "consolidated" / "sharded" / "shard-00002-model-00001-of-00001.safetensors"
     ).unlink()
-    with pytest.raises(FormatError, match="cover"):
+    with pytest.raises(
+        CoverageError, match=r"the shards' boxes \(a missing or overlapping shard\?\) leave a hole"
+    ):
         ckptkit.open(str(tmp_path / "consolidated" / "sharded"))

@@ -32,7 +32,7 @@ from ..catalog import (
 )
 from ..coverage import check_chunks
 from ..dtypes import DType
-from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import first_missing
 from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
@@ -188,12 +188,6 @@ def _global_shape(
         shape = tuple(
             max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes))
         )
-    distinct = distinct_chunks(chunks)
-    try:
-        check_chunks(key, shape, distinct)
-    except CoverageError as exc:
-        raise CoverageError(
-            f"{source}: {key!r}: the shards' boxes do not cover the {math.prod(shape)} elements "
-            f"of {list(shape)} exactly once (a missing or overlapping shard): {exc}"
-        ) from None
+    pieces = "the shards' boxes (a missing or overlapping shard?)"
+    check_chunks(key, shape, distinct_chunks(chunks), source=source, pieces=pieces)
     return shape

@@ -34,7 +34,7 @@ from ..catalog import (
     pickle_leaf,
 )
 from ..coverage import check_chunks
-from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, safe_loads
@@ -224,13 +224,7 @@ def _check_cover(source: str, key: str, shape: tuple[int, ...], chunks: list[Chu
     numel = math.prod(shape)
     if not chunks and numel:
         raise FormatError(f"{source}: {key!r}: no file holds any of its {numel} elements")
-    distinct = distinct_chunks(chunks)
-    try:
-        check_chunks(key, shape, distinct)
-    except CoverageError as exc:
-        raise CoverageError(
-            f"{source}: {key!r}: the files' ranges do not cover its {numel} elements ({exc})"
-        ) from None
+    check_chunks(key, shape, distinct_chunks(chunks), source=source, pieces="the files' ranges")
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import yaml
 from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
 from ..coverage import check_chunks
 from ..dtypes import DType
-from ..errors import CorruptRecordError, CoverageError, FormatError, MissingFileError
+from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import count_missing, first_missing
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, TensorRef
@@ -261,14 +261,8 @@ def _sub_record(
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk], source: str) -> None:
     """The flat pieces of a tensor must cover all of it exactly once."""
-    try:
-        check_chunks(key, shape, chunks)
-    except CoverageError as exc:
-        ranks = sorted({c.rank for c in chunks})
-        raise CoverageError(
-            f"{source}: {key!r}: the pieces in rank files {ranks} do not cover its "
-            f"{math.prod(shape)} elements exactly once ({exc})"
-        ) from None
+    ranks = sorted({c.rank for c in chunks})
+    check_chunks(key, shape, chunks, source=source, pieces=f"the pieces in rank files {ranks}")
 
 
 # --------------------------------------------------------------------------------------------
