@@ -384,7 +384,7 @@ def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
     lines = [
         f"{ckpt.format} checkpoint {ckpt.url}",
         f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {len(ckpt.catalog.files)} files, "
-        f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters:,} parameters in 'model'",
+        f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters_text}",
         "",
         "by group:",
         by_group.to_string(),

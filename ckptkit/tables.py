@@ -180,10 +180,21 @@ class Summary:
     by_rank: pd.DataFrame
     parameters: int
     total_bytes: int
+    #: what ``parameters`` counts: the ``model`` group's elements, or every tensor's when the
+    #: checkpoint has no ``model`` group (then optimizer state is counted too)
+    counted: str = "model"
+
+    @property
+    def parameters_text(self) -> str:
+        """``'1,234 parameters in 'model''`` or ``'1,234 elements in all tensors (no 'model'
+        group)'``: the count with what it counts, so neither is mistaken for the other."""
+        if self.counted == "model":
+            return f"{self.parameters:,} parameters in 'model'"
+        return f"{self.parameters:,} elements in all tensors (no 'model' group)"
 
     def _repr_html_(self) -> str:
         parts = [
-            f"<p><b>{self.parameters:,}</b> parameters, <b>{human_bytes(self.total_bytes)}</b> on disk</p>"
+            f"<p><b>{self.parameters_text}</b>, <b>{human_bytes(self.total_bytes)}</b> on disk</p>"
         ]
         for title, frame in (
             ("by group", self.by_group),
@@ -195,7 +206,7 @@ class Summary:
 
     def __str__(self) -> str:
         return (
-            f"{self.parameters:,} parameters, {human_bytes(self.total_bytes)} on disk\n\n"
+            f"{self.parameters_text}, {human_bytes(self.total_bytes)} on disk\n\n"
             f"by group:\n{self.by_group}\n\nby dtype:\n{self.by_dtype}\n\nby rank:\n{self.by_rank}"
         )
 
@@ -225,9 +236,9 @@ def summarize(tensors: pd.DataFrame, objects: pd.DataFrame, files: pd.DataFrame)
     ].sum()
     model = tensors[tensors["group"] == "model"]
     parameters = int((model if len(model) else tensors)["numel"].sum())
-    return Summary(
-        by_group, by_dtype, by_file, by_rank, parameters, int(files["size"].fillna(0).sum())
-    )
+    total_bytes = int(files["size"].fillna(0).sum())
+    counted = "model" if len(model) else "all tensors"
+    return Summary(by_group, by_dtype, by_file, by_rank, parameters, total_bytes, counted)
 
 
 def human_bytes(n: float) -> str:

@@ -181,12 +181,14 @@ for path in sys.argv[1:]:
     tensors, objects = ckpt.catalog.tensors(), ckpt.catalog.objects()
     assert len(ckpt.objects) == len(objects), path  # one row per object entry
     summary = ckpt.summary()
-    model = [e for e in tensors if e.group == "model"] or tensors
-    assert summary.parameters == sum(math.prod(e.shape) for e in model), path
+    model = [e for e in tensors if e.group == "model"]
+    assert summary.parameters == sum(math.prod(e.shape) for e in model or tensors), path
+    label = "parameters in 'model'" if model else "elements in all tensors (no 'model' group)"
+    assert summary.parameters_text == f"{summary.parameters:,} {label}", path
     root = path if os.path.isdir(path) else os.path.dirname(path)
     on_disk = sum(os.path.getsize(os.path.join(root, f)) for f in ckpt.catalog.files)
     assert summary.total_bytes == on_disk, (path, summary.total_bytes, on_disk)
-    assert f"<b>{summary.parameters:,}</b> parameters" in summary._repr_html_()
+    assert f"<b>{summary.parameters_text}</b>" in summary._repr_html_()
     assert "<b>" in ckpt._repr_html_()
     values = {e.key: ckpt.read_object(e.key) for e in objects}
     previews = ckpt.objects.set_index("key")["preview"].to_dict()

@@ -52,6 +52,19 @@ def test_inspect_human_output_lists_groups_and_largest_tensors():
     assert "largest 3 tensors:" in out and "att_proj.weight" in out
 
 
+def test_inspect_says_what_the_parameter_count_counts(tmp_path):
+    """A file with no 'model' group counts every tensor, optimizer state included, and says so."""
+    import torch
+
+    state = {"weight": torch.zeros(3, 4), "moments": {"exp_avg": torch.zeros(5)}}
+    torch.save(state, tmp_path / "weights.pt")
+    out = run("inspect", str(tmp_path / "weights.pt")).stdout
+    assert "17 elements in all tensors (no 'model' group)" in out
+    assert "parameters in 'model'" not in out
+    torch.save(state, tmp_path / "model.pt")
+    assert "17 parameters in 'model'" in run("inspect", str(tmp_path / "model.pt")).stdout
+
+
 def test_inspect_errors_are_one_line_and_non_zero(tmp_path):
     missing = run("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 2
