@@ -119,15 +119,25 @@ def _add_diff(commands) -> None:
     diff.add_argument("a", help="checkpoint path or fsspec URL")
     diff.add_argument("b", help="checkpoint path or fsspec URL")
     diff.add_argument("--keys", nargs="+", metavar="GLOB", help="only keys matching these globs")
-    diff.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (1e-5)")
-    diff.add_argument("--atol", type=float, default=1e-8, help="absolute tolerance (1e-8)")
+    diff.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-5,
+        help="tolerance relative to each tensor's own scale (its largest |value| and its norm); "
+        "default 1e-5",
+    )
+    diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance added (0)")
     diff.add_argument(
         "--key-map",
         nargs="+",
         metavar="OLD=NEW",
         help="rename key prefixes on both sides before matching, e.g. pytorch_model.=model.",
     )
-    diff.add_argument("--all", action="store_true", help="list equal keys too")
+    diff.add_argument(
+        "--all",
+        action="store_true",
+        help=f"list every key (default: keys that are not equal, {DIFF_LIST_CAP} per status)",
+    )
     diff.add_argument("--json", action="store_true", help="machine-readable output")
     diff.add_argument("--quiet", action="store_true", help="no progress bar")
     diff.set_defaults(run=_diff)
@@ -261,26 +271,47 @@ def diff_json(frame, same: bool) -> dict:
     }
 
 
+#: Keys listed per status in ``diff``'s text output unless ``--all`` is given.
+DIFF_LIST_CAP = 20
+
+
 def diff_text(frame, same: bool, *, show_all: bool = False) -> str:
-    """A human report: verdict and counts, then one line per key that is not ``equal``."""
-    counts = ", ".join(f"{n} {status}" for status, n in frame["status"].value_counts().items())
-    shown = frame if show_all else frame[frame["status"] != "equal"]
-    columns = ["key", "status", "dtype", "shape", "max_abs", "rel_l2", "cosine", "frac_outside"]
-    if shown["note"].astype(bool).any():
-        columns.append("note")
+    """A human report: verdict and counts, then the keys of each status that is not ``equal``,
+    worst first, at most :data:`DIFF_LIST_CAP` per status unless ``show_all``."""
+    from .diff import STATUSES
+
+    counts = frame["status"].value_counts()
+    ordered = [status for status in reversed(STATUSES) if status in counts]
     verdict = "equal within tolerance" if same else "DIFFERENT"
+    summary = ", ".join(f"{counts[status]} {status}" for status in ordered)
     lines = [
         f"a: {frame.attrs.get('a')}",
         f"b: {frame.attrs.get('b')}",
         f"{len(frame)} keys (rtol={frame.attrs.get('rtol')}, atol={frame.attrs.get('atol')}): "
-        f"{counts or 'none'} -> {verdict}",
+        f"{summary or 'none'} -> {verdict}",
     ]
-    if len(shown):
-        table = shown[columns].astype(object)
-        for column in columns:
-            table[column] = [_cell(value) for value in table[column]]
-        lines += ["", table.to_string(index=False)]
+    for status in ordered:
+        if status == "equal" and not show_all:
+            continue
+        rows = frame[frame["status"] == status]
+        shown = rows if show_all else rows.head(DIFF_LIST_CAP)
+        lines += ["", f"{status} ({len(rows)}):", _diff_table(shown)]
+        if len(shown) < len(rows):
+            lines.append(f"  … and {len(rows) - len(shown)} more (--all lists them)")
     return "\n".join(lines)
+
+
+def _diff_table(rows) -> str:
+    """The rows of one status, with the columns that say something for it."""
+    columns = ["key", "dtype", "shape"]
+    if rows["max_abs"].notna().any():
+        columns += ["max_abs", "rel_l2", "cosine", "frac_outside"]
+    if rows["note"].astype(bool).any():
+        columns.append("note")
+    table = rows[columns].astype(object)
+    for column in columns:
+        table[column] = [_cell(value) for value in table[column]]
+    return table.to_string(index=False)
 
 
 def _cell(value) -> str:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 #: The ``status`` values, from "nothing to see" to structural changes.
 STATUSES = (
     "equal",  # same dtype and shape, bit-identical bytes
-    "close",  # same dtype and shape, every element within tolerance
-    "different",  # same dtype and shape, some element outside tolerance
+    "close",  # same dtype and shape, within tolerance of the tensor's own scale (see diff())
+    "different",  # same dtype and shape, beyond tolerance (integers and bools: any change)
     "only_a",
     "only_b",
     "dtype_changed",  # numeric columns still filled when the shapes agree
@@ -70,15 +70,19 @@ def diff(
     keys: Sequence[str] | str | None = None,
     key_map: KeyMap = None,
     rtol: float = 1e-5,
-    atol: float = 1e-8,
+    atol: float = 0.0,
     storage_options: dict | None = None,
     progress: bool = False,
 ) -> pd.DataFrame:
     """One row per key of ``a`` and ``b``: its status and, for numeric tensors, how far apart.
 
-    ``max_abs`` = max |a−b|, ``mean_abs``, ``rel_l2`` = ‖a−b‖/‖a‖, ``cosine``, ``frac_outside``
-    = fraction of elements with |a−b| > atol + rtol·|b| (``torch.isclose``; NaN matches NaN;
-    integer and bool tensors have no tolerance). Keys are matched after ``key_map`` (a dict of
+    A floating tensor is ``close`` only when its differences are small *for its own scale*:
+    max |a−b| ≤ atol + rtol·max(|a|, |b|) **and** ‖a−b‖ ≤ atol·√n + rtol·max(‖a‖, ‖b‖). So a
+    tensor of values near 1e-10 (Adam's ``exp_avg_sq``) that tripled is ``different``, whatever
+    its absolute size, and many small elements cannot hide behind one large one; integer and
+    bool tensors have no tolerance. ``max_abs`` = max |a−b|, ``mean_abs``, ``rel_l2`` =
+    ‖a−b‖/‖a‖, ``cosine``, and ``frac_outside`` = the element-wise view, the fraction of
+    elements with |a−b| > atol + rtol·|b| (``torch.isclose``; NaN matches NaN). Keys are matched after ``key_map`` (a dict of
     prefix → prefix, or a callable) is applied to both sides' keys, wrapper segments such as
     ``_fsdp_wrapped_module.`` dropped; ``keys`` globs select among the mapped keys. ``key`` is
     a's key (b's for ``only_b``), ``key_b`` b's. Memory stays at about two blocks plus what the
@@ -233,7 +237,7 @@ def _compare_tensor_entries(
         bar.update(max(ea.nbytes, eb.nbytes))
         return {"status": "dtype_changed", "note": f"dtype {ea.dtype.name} → {eb.dtype.name}"}
     stats = _compare_streams(ckpt_a.reader, ea, ckpt_b.reader, eb, tol, bar)
-    out = stats.result()
+    out = stats.result(tol)
     if ea.dtype != eb.dtype:
         out.update(status="dtype_changed", note=f"dtype {ea.dtype.name} → {eb.dtype.name}")
     return out
@@ -241,6 +245,11 @@ def _compare_tensor_entries(
 
 def _numeric(dt: DType) -> bool:
     return dt.name != "bool" and (dt.is_floating or dt.numpy is not None)
+
+
+def _max_abs(x: np.ndarray) -> float:
+    """max |x| ignoring NaN (0 for an empty block)."""
+    return float(np.fmax.reduce(np.abs(x), initial=0.0)) if x.size else 0.0
 
 
 def _sumsq(x: np.ndarray) -> float:
@@ -263,13 +272,16 @@ class _Stats:
         self.dot = 0.0
         self.sumsq_diff = 0.0
         self.outside = 0
+        self.scale = 0.0  # max |a|, |b| over the tensor (NaN ignored): what "small" is measured by
 
     def same_block(self, x: np.ndarray) -> None:
-        """A bit-identical block after a difference was seen: only ‖a‖², ‖b‖², ⟨a,b⟩ grow."""
+        """A bit-identical block after a difference was seen: only ‖a‖², ‖b‖², ⟨a,b⟩ and the
+        scale grow."""
         s = _sumsq(x)
         self.sumsq_a += s
         self.sumsq_b += s
         self.dot += s
+        self.scale = max(self.scale, _max_abs(x))
 
     def block(self, x: np.ndarray, y: np.ndarray, raw_differs: np.ndarray | None, tol) -> None:
         d = np.subtract(x, y)
@@ -291,12 +303,13 @@ class _Stats:
         self.sum_abs += float(d.sum())
         if d.size:
             self.max_abs = max(self.max_abs, float(d.max()))
+            self.scale = max(self.scale, _max_abs(x), _max_abs(y))
         self.sumsq_a += _sumsq(x)
         self.sumsq_b += _sumsq(y)
         self.dot += float(np.vdot(x, y).real)
         self.sumsq_diff += float(np.dot(d, d))
 
-    def result(self) -> dict[str, Any]:
+    def result(self, tol: _Tolerance) -> dict[str, Any]:
         if self.identical:
             return {
                 "status": "equal",
@@ -313,8 +326,14 @@ class _Stats:
             cosine = self.dot / (norm_a * norm_b)
         else:
             cosine = 1.0 if norm_a == norm_b == 0 else math.nan
+        if self.exact:
+            close = self.outside == 0
+        else:
+            close = self.max_abs <= tol.atol + tol.rtol * self.scale and norm_diff <= (
+                tol.atol * math.sqrt(self.numel) + tol.rtol * max(norm_a, norm_b)
+            )
         return {
-            "status": "close" if self.outside == 0 else "different",
+            "status": "close" if close else "different",
             "max_abs": self.max_abs,
             "mean_abs": self.sum_abs / self.numel if self.numel else 0.0,
             "rel_l2": rel_l2,

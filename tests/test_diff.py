@@ -102,7 +102,7 @@ def test_mutant_detects_each_change_with_torch_numbers(ws2, mutant):
         assert row["rel_l2"] == pytest.approx(((a - b).norm() / a.norm()).item(), rel=1e-9)
         cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
         assert row["cosine"] == pytest.approx(cosine.item(), rel=1e-12)
-        outside = ~torch.isclose(a, b, rtol=1e-5, atol=1e-8)
+        outside = ~torch.isclose(a, b, rtol=1e-5, atol=0.0)
         assert row["frac_outside"] == pytest.approx(outside.double().mean().item(), rel=1e-12)
     perturbed = rows.loc[f"model.{PERTURBED}"]
     assert perturbed["frac_outside"] == 1 / reference[PERTURBED].numel()
@@ -118,6 +118,60 @@ def test_zero_tolerance_turns_close_into_different(ws2, mutant):
     frame = ckptkit.diff(str(ws2.path), str(mutant), keys=f"model.{CLOSE}", rtol=0, atol=0)
     assert _statuses(frame) == {f"model.{CLOSE}": "different"}
     assert frame["frac_outside"].iloc[0] > 0.5
+
+
+def _two_files(tmp_path, a: dict, b: dict) -> tuple[str, str]:
+    """``a`` and ``b`` saved by torch as ``a/m.pt`` and ``b/m.pt`` (keys ``m.*`` on both sides)."""
+    paths = []
+    for name, state in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        torch.save(state, tmp_path / name / "m.pt")
+        paths.append(str(tmp_path / name / "m.pt"))
+    return paths[0], paths[1]
+
+
+def test_close_is_judged_against_each_tensors_own_scale(tmp_path, capsys):
+    """The gate a CI job builds on diff: small-magnitude tensors (Adam's exp_avg_sq near 1e-10)
+    that changed by a factor, or many tiny elements changed behind one large one, are
+    ``different`` with the default tolerances and the CLI exits 1; float32 rounding noise
+    (the same sums in another order) stays ``close``."""
+    generator = torch.Generator().manual_seed(0)
+    exp_avg_sq = torch.rand(4096, generator=generator) * 1e-10
+    masked = torch.full((10_000,), 1e-4)
+    masked[0] = 1.0
+    masked_b = masked.clone()
+    masked_b[1:] *= 1.05  # each within rtol·max|b|, together 5% of the small part's norm
+    x = torch.randn(64, 256, generator=generator)
+    summed = x.sum(dim=0)
+    resummed = x.flip(0).sum(dim=0)  # another summation order: float32 rounding only
+    assert not torch.equal(summed, resummed)
+    a, b = _two_files(
+        tmp_path,
+        {"exp_avg_sq": exp_avg_sq, "masked": masked, "noise": summed},
+        {"exp_avg_sq": exp_avg_sq * 3, "masked": masked_b, "noise": resummed},
+    )
+    frame = ckptkit.diff(a, b)
+    statuses = _statuses(frame)
+    assert statuses == {"m.exp_avg_sq": "different", "m.masked": "different", "m.noise": "close"}
+    # the old element-wise rule (torch.isclose with atol=1e-8) calls all three close
+    assert torch.isclose(exp_avg_sq, exp_avg_sq * 3, rtol=1e-5, atol=1e-8).all()
+    assert main(["diff", a, b, "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "different (2):" in out and "close (1):" in out
+    assert main(["diff", a, b, "--keys", "m.noise", "--quiet"]) == 0
+
+
+def test_text_output_groups_statuses_and_caps_long_lists(tmp_path, capsys):
+    state = {f"w{i:02d}": torch.full((3,), float(i)) for i in range(30)}
+    a, b = _two_files(tmp_path, state, {"other": torch.zeros(2)})
+    assert main(["diff", a, b, "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "30 only_a" in out and "only_a (30):" in out and "only_b (1):" in out
+    assert "… and 10 more (--all lists them)" in out
+    assert "m.w19" in out and "m.w20" not in out
+    assert main(["diff", a, b, "--quiet", "--all"]) == 1
+    out = capsys.readouterr().out
+    assert "m.w29" in out and "more (--all" not in out
 
 
 def test_small_blocks_give_the_same_answer(ws2, mutant, monkeypatch):
