@@ -16,6 +16,7 @@ from . import (
     olmo_core_v0,
     olmo_dcp,
     olmo_local,
+    pointers,
     rank_files,
     safetensors,
     torch_save,
@@ -46,22 +47,41 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
             raise FormatError(f"unknown format {format!r}; known: {', '.join(ADAPTERS)}")
         found = ADAPTERS[format].detect(storage)
         return found or Detection(format, storage, ["forced by format="])
-    for adapter in ADAPTERS.values():
-        found = adapter.detect(storage)
-        if found is not None:
-            return found
+    pointer = pointers.inside_checkpoint(storage)
+    if pointer is not None:
+        raise FormatError(pointer)
+    found = _first_detection(storage)
+    if found is not None:
+        return found
     try:
-        listing = sorted(storage.listdir())
+        entries = storage.listdir()
     except MissingFileError as exc:
         if isinstance(exc.__cause__, AccessDeniedError):  # a store refusing everything (403)
             raise exc.__cause__ from None
         raise MissingFileError(f"{storage.describe()}: no such file or directory") from None
+    steps = pointers.checkpoints_below(storage, entries, _first_detection)
+    if steps:
+        shown = ", ".join(steps[:8]) + (" …" if len(steps) > 8 else "")
+        raise FormatError(
+            f"{storage.describe()}: a folder of {len(steps)} checkpoint(s), not one: {shown}; "
+            f"open one of them, e.g. ckptkit inspect {storage.describe(steps[-1])}"
+        )
+    listing = sorted(entries)
     seen = ", ".join(listing[:12]) + (" …" if len(listing) > 12 else "") if listing else "nothing"
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
         f"*.safetensors.index.json, rank<N>.pt, torch.save zips (*.pt, *.pth, *.bin); found {seen}"
     )
+
+
+def _first_detection(storage: Storage) -> Detection | None:
+    """The first adapter's verdict on ``storage``, in :data:`ADAPTERS` order."""
+    for adapter in ADAPTERS.values():
+        found = adapter.detect(storage)
+        if found is not None:
+            return found
+    return None
 
 
 def describe(detection: Detection) -> Catalog:

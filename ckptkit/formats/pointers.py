@@ -1,0 +1,61 @@
+"""Locations that are not a checkpoint but point to one: a file *of* a checkpoint (a DCP data
+file or its ``.metadata``), or a run folder holding one checkpoint per step. Detection asks
+here before calling a location damaged or unknown, so the message names what to open."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from ..errors import CheckpointError
+from ..storage import Storage
+from .detection import file_location
+from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA
+
+#: Sub-directories looked at when a folder might hold one checkpoint per step.
+MAX_STEP_DIRS = 64
+
+
+def inside_checkpoint(storage: Storage) -> str | None:
+    """For a file of a DCP checkpoint (data file, ``.metadata``, ``__R.metadata``) whose
+    directory holds the metadata: a message saying to open that directory; else None."""
+    if not _dcp_file_name(posixpath.basename(storage.url.rstrip("/"))):
+        return None  # decided by the name alone: no look-ups for every other location
+    located = file_location(storage)
+    if located is None:
+        return None
+    parent, name = located
+    has_metadata = parent.exists(METADATA) or any(
+        RANK_METADATA.match(other) for other in parent.listdir()
+    )
+    if not has_metadata:
+        return None
+    what = "a data file" if DATA_FILE.match(name) else "the metadata"
+    return (
+        f"{storage.describe()} is {what} of the DCP checkpoint {parent.describe()}; "
+        f"open the directory: ckptkit inspect {parent.describe()}"
+    )
+
+
+def _dcp_file_name(name: str) -> bool:
+    return name == METADATA or bool(RANK_METADATA.match(name) or DATA_FILE.match(name))
+
+
+def _natural(name: str) -> list[int | str]:
+    """Sort key that puts ``step9`` before ``step10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def checkpoints_below(storage: Storage, listing: dict[str, int], detect) -> list[str]:
+    """The sub-directories of a run folder that ``detect`` (a Storage → Detection | None
+    function) recognises as checkpoints, in natural order; at most :data:`MAX_STEP_DIRS`
+    are looked at."""
+    subdirs = sorted((name for name, size in listing.items() if size < 0), key=_natural)
+    found = []
+    for name in subdirs[:MAX_STEP_DIRS]:
+        try:
+            if detect(storage.child(name)) is not None:
+                found.append(name)
+        except (CheckpointError, OSError):  # recognised but damaged: still worth pointing to
+            found.append(name)
+    return found
