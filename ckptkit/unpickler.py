@@ -391,16 +391,33 @@ class _Unpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid: Any) -> Any:
+        """Storages by persistent id: ``('storage', type, key, location, numel)`` in zip files;
+        pre-1.6 files add a view ``(view_key, offset, numel)`` or None, and a view's key
+        becomes ``"<key>@<byte offset>"``. Pre-1.6 ``('module', class, file, source)`` gives
+        the class (an :class:`Opaque` placeholder: never imported, never checked)."""
         if (
             isinstance(pid, tuple)
-            and len(pid) == 5
+            and len(pid) in (5, 6)
             and pid[0] == "storage"
             and isinstance(pid[1], _StorageType)
             and "torch._utils._rebuild_tensor_v2" in self._allow
         ):
-            _, storage_type, key, location, numel = pid
+            _, storage_type, key, location, numel, *view = pid
+            view = view[0] if view else None
             if isinstance(key, str | int) and type(numel) is int and isinstance(location, str):
-                return StorageRef(str(key), storage_type.dtype, numel, location)
+                if view is None:
+                    return StorageRef(str(key), storage_type.dtype, numel, location)
+                if isinstance(view, tuple) and len(view) == 3 and _ints(view[1:], "view"):
+                    start = view[1] * storage_type.dtype.itemsize
+                    return StorageRef(f"{key}@{start}", storage_type.dtype, view[2], location)
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 4
+            and pid[0] == "module"
+            and isinstance(pid[1], type)
+            and issubclass(pid[1], Opaque)
+        ):
+            return pid[1]
         raise UnsafePickleError(f"{self._source}: unexpected persistent id {reprlib.repr(pid)}")
 
 

@@ -444,3 +444,26 @@ CASES: list[Case] = [
         lambda ws, path: live_oracle(_safetensors_state(), walk_tuples=True, prefix=("model",)),
     ),
 ]
+
+
+def _torch_save_pre16_file(ws: Workspace) -> Path:
+    """The torch.save state in the pre-1.6 (non-zip) format, under a ``.ckpt`` suffix."""
+
+    def make(root: Path) -> Path:
+        root.mkdir()
+        path = root / "legacy.ckpt"
+        torch.save(_torch_save_state(), path, _use_new_zipfile_serialization=False)
+        return path
+
+    return ws.once("torch_save_pre16_file", make)
+
+
+CASES.append(
+    Case(
+        "torch-save-pre16-file",
+        "torch_save",
+        _torch_save_pre16_file,
+        lambda ws, path: live_oracle(_torch_save_state(), walk_tuples=True, prefix=("legacy",)),
+    )
+)
+

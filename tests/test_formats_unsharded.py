@@ -218,14 +218,6 @@ def test_tensor_inside_an_object_and_hostile_pickle(tmp_path):
     assert not marker.exists()
 
 
-def test_legacy_torch_save_is_refused(tmp_path):
-    torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
-    with pytest.raises(ckptkit.FormatError, match=r"old\.pt.*legacy"):
-        ckptkit.open(str(tmp_path / "old.pt"))
-    with pytest.raises(ckptkit.FormatError, match=r"old\.pt.*legacy"):
-        ckptkit.open(str(tmp_path))
-
-
 def _handmade_zip(path: Path, numel: int, offset: int, shape, stride, data: bytes) -> None:
     """A torch.save-style zip (written by ``zipfile``) whose pickle describes one float32 view."""
 

@@ -71,7 +71,8 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
-        f"*.safetensors.index.json, rank<N>.pt, torch.save zips (*.pt, *.pth, *.bin); found {seen}"
+        f"*.safetensors.index.json, rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
+        f"*.pth.tar, *.tar, *.jit; zip or pre-1.6); found {seen}"
     )
 
 

@@ -1,9 +1,10 @@
-"""torch.save zip files as catalog entries, shared by every adapter whose files are torch.save
-zips (``torch_save``, per-rank files, OLMo local, OLMo-core 0.x side files).
+"""torch.save files as catalog entries, shared by every adapter whose files are torch.save
+files (``torch_save``, per-rank files, OLMo local, OLMo-core 0.x side files).
 
-Described lazily: each file's zip directory and its ``data.pkl`` are read by range (never a
-storage's bytes) and unpickled safely. Tensors become RAW records over their storage members;
-every other leaf becomes an object entry read back from the same ``data.pkl`` (PICKLE_LEAF).
+Described lazily: each file's zip directory and its ``data.pkl`` (or, in a pre-1.6 non-zip
+file, its main pickle and storage headers, see :mod:`.legacy_torch_save`) are read by range
+(never a storage's bytes) and unpickled safely. Tensors become RAW records over their storages'
+bytes; every other leaf becomes an object entry read back from the same pickle (PICKLE_LEAF).
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ from ...output_names import decode_stem
 from ...records import Member, ZipIndex, read_zip_indexes
 from ...storage import Storage
 from ...unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
+from .legacy_torch_save import MAGIC_PREFIX, LegacyIndex, Span, is_legacy_head, read_legacy
 
 #: Names of torch.save files in a directory (a file the user names is recognised by content).
-SUFFIXES = (".pt", ".pth", ".bin")
+SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar", ".jit")
 ZIP_MAGIC = b"PK\x03\x04"
-#: Pre-1.6 torch.save files are a bare pickle that starts with a 10-byte magic number.
-LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
+#: Pre-1.6 torch.save files are bare pickles, the first a 10-byte magic number (protocol 2).
+LEGACY_MAGIC = MAGIC_PREFIX
 
-#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin`` → model
-_GROUP = re.compile(r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pt|pth|bin|safetensors)$")
+#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin``,
+#: ``model.pth.tar`` → model
+_GROUP = re.compile(
+    r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pth\.tar|pt|pth|bin|ckpt|tar|jit|safetensors)$"
+)
 
 
 def group_of(name: str) -> str:
@@ -39,32 +44,25 @@ def group_of(name: str) -> str:
 
 
 def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
-    """Each file's kind by its first 4 bytes: ``"zip"``, ``"legacy"`` (pre-1.6) or None."""
+    """Each file's kind by its first bytes: ``"zip"``, ``"legacy"`` (pre-1.6) or None."""
     names = [name for name, size in sizes.items() if size >= 4]
-    heads = storage.read_ranges([(name, 0, 4) for name in names])
+    heads = storage.read_ranges([(name, 0, min(sizes[name], 16)) for name in names])
     kinds: dict[str, str | None] = dict.fromkeys(sizes)
     for name, head in zip(names, heads, strict=True):
-        kinds[name] = "zip" if head == ZIP_MAGIC else "legacy" if head == LEGACY_MAGIC else None
+        if head.startswith(ZIP_MAGIC):
+            kinds[name] = "zip"
+        elif is_legacy_head(head):
+            kinds[name] = "legacy"
     return kinds
 
 
-def refuse_legacy(storage: Storage, kinds: Mapping[str, str | None]) -> None:
-    """A clear error for pre-1.6 (non-zip) torch.save files, which ckptkit does not read."""
-    legacy = sorted(name for name, kind in kinds.items() if kind == "legacy")
-    if legacy:
-        raise FormatError(
-            f"{storage.describe(legacy[0])}: legacy (pre-1.6, non-zip) torch.save format is not "
-            "supported; load and re-save it with torch >= 1.6"
-        )
-
-
 def directory_files(storage: Storage) -> dict[str, int]:
-    """The torch.save zips directly in a directory (``*.pt``, ``*.pth``, ``*.bin``) and sizes."""
+    """The torch.save files (zips or pre-1.6) directly in a directory (``*.pt``, ``*.pth``,
+    ``*.bin``, ``*.ckpt``, ``*.pth.tar``, ``*.tar``, ``*.jit``) and their sizes."""
     listing = storage.listdir()
     candidates = {n: s for n, s in sorted(listing.items()) if n.endswith(SUFFIXES) and s >= 0}
     kinds = probe(storage, candidates)
-    refuse_legacy(storage, kinds)
-    return {name: size for name, size in candidates.items() if kinds[name] == "zip"}
+    return {name: size for name, size in candidates.items() if kinds[name] is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,16 +90,36 @@ def describe_files(
     return entries
 
 
+#: Where a torch.save file's storages lie: a zip's members, or a pre-1.6 file's storage records.
+StorageIndex = ZipIndex | LegacyIndex
+
+
+def storage_bytes(index: StorageIndex, key: str, source: str) -> Member | Span:
+    """Where storage ``key``'s bytes are in the file ``index`` describes (offset, size and the
+    CRC-32 the format stores, if any)."""
+    if isinstance(index, ZipIndex):
+        return index.member(f"data/{key}", source)
+    return index.storage(key, source)
+
+
 @dataclass(frozen=True, slots=True)
 class Pickled:
-    """One torch.save file's ``data.pkl``, decoded safely, and where its pieces lie in the file."""
+    """One torch.save file's main pickle (a zip's ``data.pkl``), decoded safely, and where its
+    pieces lie in the file."""
 
     file: str
     value: Any
-    index: ZipIndex
-    offset: int  # of data.pkl in the file
+    index: StorageIndex
+    offset: int  # of the pickle in the file
     length: int
     source: str
+
+    @property
+    def crc32(self) -> int | None:
+        """The CRC-32 of the pickle's bytes, when the format stores one (zips)."""
+        if isinstance(self.index, ZipIndex):
+            return self.index.member("data.pkl", self.source).crc32
+        return None
 
 
 def load_pickles(
@@ -110,8 +128,27 @@ def load_pickles(
     sizes: Mapping[str, int | None] | None = None,
     allow: Mapping[str, Any] = OBJECT_GLOBALS,
 ) -> dict[str, Pickled]:
-    """Each torch.save file's decoded ``data.pkl`` (unknown globals as placeholders), reading
-    zip directories and pickles only, in batched rounds."""
+    """Each torch.save file's decoded main pickle (unknown globals as placeholders), reading
+    zip directories, pre-1.6 storage headers and pickles only, in batched rounds."""
+    if sizes is None or any(sizes.get(file) is None for file in files):
+        sizes = {**(sizes or {}), **storage.sizes(files)}
+    kinds = probe(storage, {file: sizes[file] for file in files if sizes[file] is not None})
+    legacy = [file for file in files if kinds.get(file) == "legacy"]
+    pickled = {}
+    for file, found in read_legacy(storage, legacy, sizes, allow).items():
+        source = storage.describe(file)
+        pickled[file] = Pickled(file, found.value, found.index, found.offset, found.length, source)
+    zips = [file for file in files if file not in pickled]
+    pickled.update(_load_zip_pickles(storage, zips, sizes, allow))
+    return {file: pickled[file] for file in files}
+
+
+def _load_zip_pickles(
+    storage: Storage, files: list[str], sizes: Mapping[str, int | None], allow: Mapping[str, Any]
+) -> dict[str, Pickled]:
+    """:func:`load_pickles` for torch.save zips."""
+    if not files:
+        return {}
     indexes = read_zip_indexes(storage, files, sizes)
     wanted = []  # (file, start, end) of each file's data.pkl, then of its byteorder record
     for file in files:
@@ -146,8 +183,9 @@ def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) 
         if isinstance(leaf, TensorRef):
             yield _tensor_entry(key, path, leaf, pickled.index, pickled.source)
         else:
-            crc32 = pickled.index.member("data.pkl", pickled.source).crc32
-            record = pickle_leaf(pickled.file, pickled.offset, pickled.length, inner, crc32=crc32)
+            record = pickle_leaf(
+                pickled.file, pickled.offset, pickled.length, inner, crc32=pickled.crc32
+            )
             yield Entry(key, path, "object", (Chunk((), (), record),))
 
 
@@ -180,7 +218,7 @@ def _walked(items: list | tuple) -> bool:
 
 
 def _tensor_entry(
-    key: str, path: tuple[str | int, ...], ref: TensorRef, index: ZipIndex, source: str
+    key: str, path: tuple[str | int, ...], ref: TensorRef, index: StorageIndex, source: str
 ) -> Entry:
     """A tensor as one chunk whose RAW record covers exactly the bytes its view spans."""
     record = tensor_record(key, ref, index, source)
@@ -194,10 +232,10 @@ def _tensor_entry(
     )
 
 
-def tensor_record(key: str, ref: TensorRef, index: ZipIndex, source: str) -> Record | None:
-    """The RAW record of the bytes ``ref``'s view spans in its storage member (None when the
-    tensor has no elements); checks that the view fits in the storage."""
-    member = index.member(f"data/{ref.storage.key}", source)
+def tensor_record(key: str, ref: TensorRef, index: StorageIndex, source: str) -> Record | None:
+    """The RAW record of the bytes ``ref``'s view spans in its storage (None when the tensor
+    has no elements); checks that the view fits in the storage."""
+    member = storage_bytes(index, ref.storage.key, source)
     dt, shape, stride = ref.dtype, ref.shape, ref.stride
     storage_dtype = ref.storage.dtype
     if ref.storage.numel * storage_dtype.itemsize > member.size:
@@ -234,6 +272,6 @@ def tensor_record(key: str, ref: TensorRef, index: ZipIndex, source: str) -> Rec
             extent * dt.itemsize,
             Encoding.RAW,
             stride=stride,
-            crc32=member.crc32 if whole else None,  # the zip's CRC covers the whole storage
+            crc32=member.crc32 if whole else None,  # a zip's CRC covers the whole storage
         )
     return record
