@@ -33,11 +33,24 @@ _LOCAL = b"PK\x03\x04"
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """A stored (uncompressed) zip member: ``size`` bytes at ``offset`` within the archive."""
+    """A zip member: ``size`` bytes (uncompressed) whose data starts at ``offset`` within the
+    archive; a compressed one (``method`` not 0, e.g. 8 = DEFLATE, as TorchScript's ``code/``)
+    occupies ``compressed_size`` bytes there and is read only through :func:`inflate_member`."""
 
     offset: int
     size: int
     crc32: int
+    method: int = 0
+    compressed_size: int | None = None  # None: stored, the data is the ``size`` bytes
+
+    @property
+    def stored(self) -> bool:
+        return self.method == 0
+
+    @property
+    def span(self) -> int:
+        """Bytes the member's data occupies in the archive."""
+        return self.size if self.compressed_size is None else self.compressed_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +68,11 @@ def zip_members(buf: memoryview, source: str) -> dict[str, Member]:
     """Members of a zip archive held in ``buf``, from its central directory (zip64 aware)."""
     count, cd_offset, cd_size = end_record(bytes(buf[-_TAIL:]), max(0, len(buf) - _TAIL), source)
     members: dict[str, Member] = {}
-    for name, local, size, crc in central_directory(
+    for name, local, member in central_directory(
         bytes(buf[cd_offset : cd_offset + cd_size]), count, source
     ):
-        members[name] = Member(
-            _data_offset(bytes(buf[local : local + 30]), local, name, source), size, crc
-        )
-        if members[name].offset + size > len(buf):
+        members[name] = located(member, bytes(buf[local : local + 30]), local, name, source)
+        if members[name].offset + member.span > len(buf):
             raise CorruptRecordError(f"{source}: zip member {name!r} extends past the record's end")
     return members
 
@@ -91,8 +102,9 @@ def end_record(tail: bytes, start: int, source: str) -> tuple[int, int, int]:
     return count, offset, size
 
 
-def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, int, int, int]]:
-    """``(name, local header offset, size, crc32)`` of each member; stored members only."""
+def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, int, Member]]:
+    """``(name, local header offset, member)`` of each member (its ``offset`` still unknown: 0);
+    compressed members are listed with their method, to be refused by whatever reads them."""
     buf = bytes(buf)  # a large directory may arrive as a memory-mapped view
     members = []
     pos = 0
@@ -107,9 +119,12 @@ def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, in
             name = buf[pos + 46 : pos + 46 + name_len].decode("utf-8", "replace")
             extra = buf[pos + 46 + name_len : pos + 46 + name_len + extra_len]
             usize, csize, local = _zip64_sizes(extra, usize, csize, local)
-            if method != 0 or csize != usize:
-                raise CorruptRecordError(f"{source}: zip member {name!r} is compressed")
-            members.append((name, local, usize, crc))
+            if method == 0 and csize != usize:
+                raise CorruptRecordError(
+                    f"{source}: stored zip member {name!r} has {csize} bytes but says {usize}"
+                )
+            compressed = None if method == 0 else csize
+            members.append((name, local, Member(0, usize, crc, method, compressed)))
             pos += 46 + name_len + extra_len + comment_len
     except struct.error as exc:
         raise CorruptRecordError(f"{source}: truncated zip central directory") from exc
@@ -143,6 +158,22 @@ def _data_offset(header: bytes, local: int, name: str, source: str) -> int:
     return local + 30 + name_len + extra_len
 
 
+def located(member: Member, header: bytes, local: int, name: str, source: str) -> Member:
+    """``member`` (from the central directory) with its data offset, from its local header."""
+    offset = _data_offset(header, local, name, source)
+    return Member(offset, member.size, member.crc32, member.method, member.compressed_size)
+
+
+def refuse_compressed(member: Member, name: str, source: str) -> Member:
+    """``member`` if it is stored; a compressed member cannot be read as raw bytes."""
+    if not member.stored:
+        raise CorruptRecordError(
+            f"{source}: zip member {name!r} is compressed (method {member.method}); ckptkit "
+            "reads tensor storages and pickles only from stored (uncompressed) members"
+        )
+    return member
+
+
 @dataclass(frozen=True, slots=True)
 class ZipIndex:
     """A torch.save zip file's members (data offset and size in the file), by member name."""
@@ -152,7 +183,12 @@ class ZipIndex:
     members: dict[str, Member]
 
     def member(self, name: str, source: str) -> Member:
-        """The member ``<prefix><name>`` (``data.pkl``, ``data/0``…)."""
+        """The stored member ``<prefix><name>`` (``data.pkl``, ``data/0``…), read as raw bytes;
+        a compressed one is refused (see :meth:`any_member`)."""
+        return refuse_compressed(self.any_member(name, source), self.prefix + name, source)
+
+    def any_member(self, name: str, source: str) -> Member:
+        """The member ``<prefix><name>``, stored or compressed."""
         found = self.members.get(self.prefix + name)
         if found is None:
             raise CorruptRecordError(f"{source}: zip member {self.prefix + name!r} is missing")
@@ -206,7 +242,7 @@ def read_zip_indexes(
         [(file, ends[file][1], ends[file][1] + ends[file][2]) for file in outside]
     )
     directories = dict(zip(outside, fetched, strict=True))
-    listed: dict[str, list[tuple[str, int, int, int]]] = {}
+    listed: dict[str, list[tuple[str, int, Member]]] = {}
     for file, tail in zip(files, tails, strict=True):
         count, offset, size = ends[file]
         at = offset - starts[file]
@@ -214,16 +250,16 @@ def read_zip_indexes(
         listed[file] = central_directory(directory, count, storage.describe(file))
     heads = iter(
         storage.read_ranges(
-            [(file, local, local + 30) for file in files for _, local, _, _ in listed[file]]
+            [(file, local, local + 30) for file in files for _, local, _ in listed[file]]
         )
     )
     indexes = {}
     for file in files:
         source = storage.describe(file)
         members = {}
-        for name, local, size, crc in listed[file]:
-            members[name] = Member(_data_offset(next(heads), local, name, source), size, crc)
-            if members[name].offset + size > sizes[file]:
+        for name, local, member in listed[file]:
+            members[name] = located(member, next(heads), local, name, source)
+            if members[name].offset + member.span > sizes[file]:
                 raise CorruptRecordError(f"{source}: zip member {name!r} extends past the end")
         pickles = [name for name in members if name.endswith("data.pkl")]
         if len(pickles) != 1:
@@ -232,6 +268,61 @@ def read_zip_indexes(
             )
         indexes[file] = ZipIndex(file, pickles[0][: -len("data.pkl")], members)
     return indexes
+
+
+#: The most bytes the compressed members one read asks for may inflate to, in all (TorchScript
+#: ``code/`` files are kilobytes; a member declaring more is refused before it is read).
+MAX_INFLATED = 64 << 20
+
+
+def read_members(
+    storage: Storage, index: ZipIndex, names: list[str], *, limit: int = MAX_INFLATED
+) -> dict[str, bytes]:
+    """The bytes of members ``<prefix><name>`` of one zip file, stored or DEFLATE-compressed,
+    in one batched round of range reads, each checked against its declared size and CRC-32.
+    What they declare (and occupy) is bounded by ``limit`` before anything is read."""
+    source = storage.describe(index.file)
+    members = {name: index.any_member(name, source) for name in names}
+    declared = sum(max(m.size, m.span) for m in members.values())
+    if declared > limit:
+        largest = max(members, key=lambda name: members[name].size)
+        raise LimitExceededError(
+            f"{source}: zip members to inflate declare {declared} bytes (member "
+            f"{index.prefix + largest!r}: {members[largest].size}), more than the {limit} allowed"
+        )
+    blobs = storage.read_ranges(
+        [(index.file, m.offset, m.offset + m.span) for m in members.values()]
+    )
+    return {
+        name: inflate(blob, member, f"{source} member {index.prefix + name!r}")
+        for (name, member), blob in zip(members.items(), blobs, strict=True)
+    }
+
+
+def inflate(data: bytes, member: Member, source: str) -> bytes:
+    """A member's bytes from its ``data`` in the archive: as is when stored, raw-inflated when
+    DEFLATE-compressed (never past its declared size), then checked against its CRC-32."""
+    if member.method == 8:
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        try:
+            raw = inflater.decompress(bytes(data), member.size + 1)
+        except zlib.error as exc:
+            raise CorruptRecordError(f"{source}: bad DEFLATE data: {exc}") from exc
+        if len(raw) != member.size or not inflater.eof:
+            raise CorruptRecordError(
+                f"{source}: inflates to {'more than ' if len(raw) > member.size else ''}"
+                f"{len(raw)} bytes{'' if inflater.eof else ' (unfinished)'}, its zip entry "
+                f"says {member.size}"
+            )
+    elif member.stored:
+        raw = bytes(data)
+    else:
+        raise CorruptRecordError(
+            f"{source}: compressed with zip method {member.method}; only stored and DEFLATE "
+            "members are read"
+        )
+    check_crc(raw, member.crc32, source)
+    return raw
 
 
 class TorchArchive:
@@ -248,28 +339,33 @@ class TorchArchive:
             )
         self.prefix = pickles[0][: -len("data.pkl")]
         order = self.members.get(self.prefix + "byteorder")
-        if order is not None and bytes(self.member(order)) != b"little":
+        if order is not None and bytes(self.member(order, self.prefix + "byteorder")) != b"little":
             raise CorruptRecordError(f"{source}: big-endian records are not supported")
 
-    def member(self, m: Member) -> memoryview:
+    def member(self, m: Member, name: str = "") -> memoryview:
+        """A stored member's bytes (a compressed one is refused, naming ``name``)."""
+        refuse_compressed(m, name, self.source)
         return self.buf[m.offset : m.offset + m.size]
 
     def check_crc(self, names: list[str] | None = None) -> None:
-        """Compare members (all, or ``<prefix><name>`` for each name) with their stored CRC-32."""
+        """Compare stored members (all, or ``<prefix><name>`` for each name) with their CRC-32
+        (compressed members, which ckptkit never reads from a record, are skipped)."""
         for name in names if names is not None else list(self.members):
             full = name if names is None else self.prefix + name
             m = self.members.get(full)
-            if m is not None:
-                check_crc(self.member(m), m.crc32, f"{self.source} member {full!r}")
+            if m is not None and (m.stored or names is not None):
+                check_crc(self.member(m, full), m.crc32, f"{self.source} member {full!r}")
 
     def pickle_bytes(self) -> memoryview:
-        return self.member(self.members[self.prefix + "data.pkl"])
+        name = self.prefix + "data.pkl"
+        return self.member(self.members[name], name)
 
     def storage(self, key: str) -> memoryview:
-        m = self.members.get(f"{self.prefix}data/{key}")
+        name = f"{self.prefix}data/{key}"
+        m = self.members.get(name)
         if m is None:
             raise CorruptRecordError(f"{self.source}: storage {key!r} missing from the record")
-        return self.member(m)
+        return self.member(m, name)
 
     def tensor(self, ref: TensorRef) -> TensorData:
         """The bytes and layout of ``ref``, whose storage is one of this archive's members."""

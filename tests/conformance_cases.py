@@ -467,3 +467,39 @@ CASES.append(
     )
 )
 
+
+class _ScriptedNet(torch.nn.Module):
+    """A small module for ``torch.jit.script``: a nested submodule, a Sequential, buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.embed = torch.nn.Embedding(6, 3)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+        self.scale = torch.nn.Parameter(torch.randn(4, generator=gen).to(torch.bfloat16))
+        self.register_buffer("steps", torch.tensor(3, dtype=torch.int64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.layers(self.embed(ids)) * self.scale.float() + self.steps
+
+
+def _torchscript_file(ws: Workspace) -> Path:
+    def make(root: Path) -> Path:
+        root.mkdir()
+        torch.jit.save(torch.jit.script(_ScriptedNet()), root / "net.pt")
+        return root / "net.pt"
+
+    return ws.once("torchscript_file", make)
+
+
+CASES.append(
+    Case(
+        "torchscript-file",
+        "torchscript",
+        _torchscript_file,  # oracle: what torch.jit.load gives back, under the file's group
+        lambda ws, path: live_oracle(
+            dict(torch.jit.load(path).state_dict()), walk_tuples=True, prefix=("net",)
+        ),
+    )
+)
+

@@ -20,6 +20,7 @@ from . import (
     rank_files,
     safetensors,
     torch_save,
+    torchscript,
 )
 from .detection import Detection
 
@@ -33,6 +34,7 @@ ADAPTERS: dict[str, ModuleType] = {
     hf_dcp_sharded.NAME: hf_dcp_sharded,
     safetensors.NAME: safetensors,
     rank_files.NAME: rank_files,  # rank{N}.pt are torch.save zips too: before torch_save
+    torchscript.NAME: torchscript,  # TorchScript archives are torch zips too: before torch_save
     torch_save.NAME: torch_save,
 }
 #: Earlier names of formats, still accepted by ``format=``.
@@ -72,7 +74,8 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
         f"*.safetensors.index.json, rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
-        f"*.pth.tar, *.tar, *.jit; zip or pre-1.6); found {seen}"
+        f"*.pth.tar, *.tar, *.jit; zip or pre-1.6), TorchScript archives (torch.jit.save: "
+        f"constants.pkl, code/); found {seen}"
     )
 
 
