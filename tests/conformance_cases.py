@@ -503,3 +503,69 @@ CASES.append(
     )
 )
 
+
+# DeepSpeed ZeRO fixtures (deepspeed 0.19.8): ``model.*`` against zero_to_fp32's fp32 state dict
+# (BF16_Optimizer: the live fp32 masters, its converter refuses it), ``module.*`` against the
+# model-state file's own tensors, ``optim.*`` against the live Adam moments and step.
+DEEPSPEED_ITEMS = (
+    "deepspeed_zero1_ws2",
+    "deepspeed_zero2_ws2",
+    "deepspeed_zero3_ws2",
+    "deepspeed_zero3_ws4",
+    "deepspeed_zero2_bf16_ws2",
+    "deepspeed_zero3_bf16_ws2",
+    "deepspeed_zero1_bf16_fp32accum_ws2",
+    "deepspeed_zero2_legacy_serialization_ws2",
+)
+
+
+def deepspeed_oracle(item: str) -> Oracle:
+    """Every ``model``, ``module`` and ``optim`` tensor of a DeepSpeed fixture, by ckptkit key.
+    Stage 1 saves no frozen parameters, so ``model.*`` (like zero_to_fp32) has none: the
+    BF16_Optimizer reference, made from memory, lists one, left out here."""
+    reference = FIXTURES / item / "reference"
+    listed = json.loads((reference / "tensors.sha256.json").read_text())
+    engine = json.loads((reference / "engine_info.json").read_text())
+    tensors: dict[str, Sha] = {}
+    for file, specs in listed.items():
+        for key, spec in specs.items():
+            sha = Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+            if file.startswith("reference/fp32_model"):
+                frozen_unsaved = engine["zero_stage"] == 1 and key in engine["frozen"]
+                if not frozen_unsaved:
+                    tensors[f"model.{key}"] = sha
+            elif (
+                file.endswith("model_states.pt")
+                and key.startswith("module.")
+                and (all(spec["shape"]) or not spec["shape"])  # not stage 3's empty placeholders
+            ):
+                tensors[key] = sha
+    moments = json.loads((reference / "optim_reference.json").read_text())
+    step = hashlib.sha256(raw_bytes(torch.tensor(float(moments["adam_step"])))).hexdigest()
+    for name, stats in moments["params"].items():
+        for stat in ("exp_avg", "exp_avg_sq"):
+            spec = stats[stat]
+            tensors[f"optim.state.{name}.{stat}"] = Sha(
+                tuple(spec["shape"]), spec["dtype"], spec["sha256"]
+            )
+        tensors[f"optim.state.{name}.step"] = Sha((), "float32", step)
+    return Oracle(tensors, frozenset({"model", "module", "optim"}), "trainer state not hashed")
+
+
+CASES.extend(
+    Case(
+        f"fixture-{item.replace('_', '-')}",
+        "deepspeed_zero",
+        _fixture(f"{item}/checkpoint"),
+        lambda ws, path, item=item: deepspeed_oracle(item),
+    )
+    for item in DEEPSPEED_ITEMS
+)
+CASES.append(  # the tag directory itself, opened without its run directory's ``latest``
+    Case(
+        "fixture-deepspeed-zero3-ws2-tag-dir",
+        "deepspeed_zero",
+        _fixture("deepspeed_zero3_ws2/checkpoint/global_step2"),
+        lambda ws, path: deepspeed_oracle("deepspeed_zero3_ws2"),
+    )
+)

@@ -12,6 +12,7 @@ from ..errors import AccessDeniedError, FormatError, MissingFileError
 from ..storage import Storage
 from . import (
     dcp,
+    deepspeed_zero,
     hf_dcp_sharded,
     olmo_core_v0,
     olmo_dcp,
@@ -33,6 +34,7 @@ ADAPTERS: dict[str, ModuleType] = {
     olmo_core_v0.NAME: olmo_core_v0,
     hf_dcp_sharded.NAME: hf_dcp_sharded,
     safetensors.NAME: safetensors,
+    deepspeed_zero.NAME: deepspeed_zero,  # tag dirs hold torch.save zips: before rank_files
     rank_files.NAME: rank_files,  # rank{N}.pt are torch.save zips too: before torch_save
     torchscript.NAME: torchscript,  # TorchScript archives are torch zips too: before torch_save
     torch_save.NAME: torch_save,
@@ -73,7 +75,8 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
-        f"*.safetensors.index.json, rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
+        f"*.safetensors.index.json, DeepSpeed ZeRO *_optim_states.pt (+ latest), "
+        f"rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
         f"*.pth.tar, *.tar, *.jit; zip or pre-1.6), TorchScript archives (torch.jit.save: "
         f"constants.pkl, code/); found {seen}"
     )
