@@ -9,6 +9,8 @@ pass reports them all.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -103,6 +105,7 @@ def _problems(source: Source, crc: bool) -> Iterator[Problem]:
     files = list(dict.fromkeys([*catalog.files, *(c.record.file for _, c in records)]))
     sizes = storage.sizes(files)
     yield from _missing_files(files, sizes, records)
+    yield from _integrity_problems(source)
     unreadable: set[int] = set()  # id() of records not worth reading
     yield from _truncated_records(records, sizes, unreadable)
     for entry in catalog.tensors():
@@ -215,3 +218,62 @@ def _read_chunks(reader: Reader, entry: Entry, chunks: list[Chunk]) -> None:
 
 def _problem(record: Record, entry: Entry, exc: CheckpointError) -> Problem:
     return Problem(record.file, entry.key, problem_kind(exc), str(exc))
+
+
+#: A checkpoint's own per-file SHA-256 list (Megatron-core >= 0.18 ``integrity.json``).
+INTEGRITY_FILE = "integrity.json"
+_HASH_PIECE = 8 << 20
+
+
+def _integrity_problems(source: Source) -> Iterator[Problem]:
+    """A row per file whose SHA-256 differs from the ``integrity.json`` the checkpoint lists
+    among its metadata files (``{file: hex}``, possibly under one key, or ``{file: {"sha256":
+    hex}}``); files are hashed in bounded pieces."""
+    storage = source.storage
+    for name in source.catalog.facts.metadata_files:
+        if name.rsplit("/", 1)[-1] != INTEGRITY_FILE:
+            continue
+        try:
+            listed = _sha256_list(json.loads(storage.read_file(name)))
+        except (CheckpointError, ValueError, UnicodeDecodeError) as exc:
+            yield Problem(name, None, "format", f"unreadable integrity list: {exc}")
+            continue
+        folder = name[: -len(INTEGRITY_FILE)]
+        for file, expected in listed.items():
+            yield from _check_sha256(storage, folder + file, expected)
+
+
+def _sha256_list(data: Any) -> dict[str, str]:
+    """``{file: lowercase hex}`` from an integrity list, wherever its one mapping sits."""
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), dict):
+        inner = next(iter(data.values()))
+        if inner and all(isinstance(v, str | dict) for v in inner.values()):
+            data = inner
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    out = {}
+    for file, value in data.items():
+        digest = value.get("sha256") if isinstance(value, dict) else value
+        if not isinstance(file, str) or not isinstance(digest, str) or len(digest) != 64:
+            raise ValueError(f"entry {str(file)[:80]!r} is not a file and a SHA-256")
+        out[file] = digest.lower()
+    return out
+
+
+def _check_sha256(storage: Any, file: str, expected: str) -> Iterator[Problem]:
+    try:
+        size = storage.size(file)
+        digest = hashlib.sha256()
+        for start in range(0, size, _HASH_PIECE):
+            (piece,) = storage.read_ranges([(file, start, min(size, start + _HASH_PIECE))])
+            digest.update(piece)
+    except CheckpointError as exc:
+        yield Problem(file, None, problem_kind(exc), str(exc))
+        return
+    if digest.hexdigest() != expected:
+        yield Problem(
+            file,
+            None,
+            "checksum",
+            f"SHA-256 {digest.hexdigest()} differs from {expected} in {INTEGRITY_FILE}",
+        )

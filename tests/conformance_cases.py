@@ -468,6 +468,43 @@ CASES.append(
 )
 
 
+# Megatron-core torch_dist fixtures: their reference (Megatron's load_plain_tensors) is keyed by
+# the stored DCP key, so it covers the ``stacked.`` group (stacked layer tensors as stored); the
+# per-layer and other groups are checked against it in tests/test_formats_megatron.py.
+MEGATRON_ITEMS = (
+    "megatron_mcore016_gpt_tp2_ws2",
+    "megatron_mcore016_gpt_dp2_ws2",
+    "megatron_mcore016_gpt_tp2_bf16_ws2",
+    "megatron_mcore015_gpt_tp2_ws2",
+    "megatron_mcore015_gpt_dp2_ws2",
+)
+
+
+def _megatron_stacked_oracle(item: str) -> Oracle:
+    listed = json.loads((FIXTURES / item / "reference" / "tensors.sha256.json").read_text())
+    tensors = {
+        f"stacked.{key}": Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+        for key, spec in listed["reference.pt"].items()
+        # stacked: ``layers.`` then a name; the <= 0.15 reformulated optimizer tensors, which
+        # the reference gives flattened (1-D), stay as stored outside ``stacked``
+        if ".layers." in key
+        and not key.split(".layers.")[1][0].isdigit()
+        and len(spec["shape"]) > 1
+    }
+    return Oracle(tensors, frozenset({"stacked"}), "stacked layer tensors as stored")
+
+
+CASES.extend(
+    Case(
+        f"fixture-{item.replace('_', '-')}",
+        "megatron_dist",
+        _fixture(f"{item}/checkpoint"),
+        lambda ws, path, item=item: _megatron_stacked_oracle(item),
+    )
+    for item in MEGATRON_ITEMS
+)
+
+
 class _ScriptedNet(torch.nn.Module):
     """A small module for ``torch.jit.script``: a nested submodule, a Sequential, buffers."""
 

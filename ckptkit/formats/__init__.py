@@ -14,6 +14,7 @@ from . import (
     dcp,
     deepspeed_zero,
     hf_dcp_sharded,
+    megatron_dist,
     olmo_core_v0,
     olmo_dcp,
     olmo_local,
@@ -29,6 +30,7 @@ from .detection import Detection
 #: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
 ADAPTERS: dict[str, ModuleType] = {
     olmo_dcp.NAME: olmo_dcp,  # a step dir holds model_and_optim/.metadata: before dcp
+    megatron_dist.NAME: megatron_dist,  # metadata.json beside .metadata: before dcp
     dcp.NAME: dcp,
     olmo_local.NAME: olmo_local,
     olmo_core_v0.NAME: olmo_core_v0,
@@ -74,6 +76,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     seen = ", ".join(listing[:12]) + (" …" if len(listing) > 12 else "") if listing else "nothing"
     raise FormatError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
+        f"metadata.json (Megatron torch_dist), latest_checkpointed_iteration.txt, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
         f"*.safetensors.index.json, DeepSpeed ZeRO *_optim_states.pt (+ latest), "
         f"rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "

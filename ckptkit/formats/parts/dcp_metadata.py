@@ -11,14 +11,21 @@ from __future__ import annotations
 import math
 import re
 import reprlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...catalog import Chunk, Encoding, Entry, Record
 from ...dtypes import DType
-from ...errors import CorruptRecordError, FormatError, MissingFileError, UnsafePathError
+from ...errors import (
+    CorruptRecordError,
+    FormatError,
+    MissingFileError,
+    UnsafePathError,
+    UnsafePickleError,
+)
 from ...pickle_limits import METADATA_LIMITS
 from ...storage import Storage
-from ...unpickler import COMMON_GLOBALS, paused_gc, safe_loads
+from ...unpickler import COMMON_GLOBALS, paused_gc, safe_loads, unsealed
 
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -57,6 +64,13 @@ def _state_dict(state: Any, what: str) -> dict:
 
 class _Metadata(_Stub):
     __slots__ = ()
+
+
+#: The stand-in of torch's ``Metadata``; formats that pickle a subclass of it (Megatron's
+#: ``MCoreMetadata``) subclass this one, so :func:`read_dcp` accepts their metadata.
+MetadataStandin = _Metadata
+#: The base of the stand-ins here: a class that keeps its pickled state (``.get(name)``).
+Standin = _Stub
 
 
 class _TensorStorageMetadata(_Stub):
@@ -149,11 +163,20 @@ class _MetadataIndex:
             )
 
 
+_MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
+
+
 def _memory_format(value: int) -> str:
-    names = ("contiguous_format", "channels_last", "preserve_format")
-    if not isinstance(value, int) or not 0 <= value < len(names):
+    if not isinstance(value, int) or not 0 <= value < len(_MEMORY_FORMATS):
         raise CorruptRecordError(f"unknown memory-format code {value!r}")
-    return names[value]
+    return _MEMORY_FORMATS[value]
+
+
+#: ``getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')`` and its siblings: how Python >=
+#: 3.12 pickles that enum's members (torch's own writer pickles ``_MEM_FORMAT_ENCODING(0)``).
+MEMORY_FORMAT_MEMBERS: dict[tuple[Any, str], str] = {
+    (_memory_format, f"TORCH_{name.upper()}"): name for name in _MEMORY_FORMATS
+}
 
 
 def _dcp_globals() -> dict[str, Any]:
@@ -201,27 +224,74 @@ def metadata_files(storage: Storage) -> list[tuple[str, int | None]]:
     )
 
 
-def read_dcp(storage: Storage, prefix: str = "") -> tuple[list[Entry], list[str], dict[str, Any]]:
+def restricted_getattr(allowed: Mapping[tuple[type, str], Any], what: str) -> Callable[..., Any]:
+    """A ``builtins.getattr`` stand-in that answers exactly the ``(stand-in class, attribute
+    name)`` pairs in ``allowed`` (an enum member, a nested class) and refuses anything else,
+    naming ``what`` is allowed; no attribute of a real object is ever looked up."""
+    pairs = dict(allowed)
+
+    def getattr_(obj: Any, name: Any, *default: Any) -> Any:
+        obj = unsealed(obj)  # an allowlisted function arrives wrapped
+        if not default and type(name) is str and (isinstance(obj, type) or callable(obj)):
+            try:
+                found = pairs.get((obj, name), _MISSING)
+            except TypeError:  # an unhashable stand-in instance
+                found = _MISSING
+            if found is not _MISSING:
+                return found
+        raise UnsafePickleError(
+            f"pickle calls builtins.getattr({_shown(obj)}, {str(name)[:40]!r}); only {what} "
+            "is allowed, nothing was run",
+            global_name="builtins.getattr",
+        )
+
+    return getattr_
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    """How a refused getattr target is named: an unknown global by its name."""
+    global_name = getattr(value, "global_name", None)  # an Opaque placeholder (class)
+    if isinstance(global_name, str):
+        return global_name
+    return value.__name__ if isinstance(value, type) else type(value).__name__
+
+
+def read_dcp(
+    storage: Storage,
+    prefix: str = "",
+    *,
+    extra_globals: Mapping[str, Any] | None = None,
+    on_metadata: Callable[[str, _Metadata], None] | None = None,
+) -> tuple[list[Entry], list[str], dict[str, Any]]:
     """The entries of the DCP at ``storage`` from its metadata alone, its data files, and its
     facts (``metadata_files``, ``version``, ``checkpoint_id``, ``save_id``). ``prefix`` is put
-    before every file name (records, data and metadata files), for a DCP in a step directory."""
+    before every file name (records, data and metadata files), for a DCP in a step directory.
+    ``extra_globals`` widens :data:`ALLOWED_GLOBALS` for one format's own classes (Megatron's
+    ``MCoreMetadata``); ``on_metadata(name, metadata)`` sees each decoded metadata object."""
     sources = metadata_files(storage)
     if not sources:
         raise MissingFileError(
             f"{storage.describe(METADATA)}: no such file: the .distcp data files are "
             "there but the metadata is not (an interrupted save, or an incomplete copy)"
         )
+    allow = {**ALLOWED_GLOBALS, **extra_globals} if extra_globals else ALLOWED_GLOBALS
     union = _MetadataUnion(storage, prefix)
     with paused_gc():
         for name, rank in sources:
-            union.add(name, _load_metadata(storage, name), rank)
+            metadata = _load_metadata(storage, name, allow)
+            if on_metadata is not None:
+                on_metadata(name, metadata)
+            union.add(name, metadata, rank)
         return union.entries(), list(union.files.values()), union.facts
 
 
-def _load_metadata(storage: Storage, name: str) -> _Metadata:
+def _load_metadata(storage: Storage, name: str, allow: Mapping[str, Any]) -> _Metadata:
     source = storage.describe(name)
     with storage.open_sequential(name, max_bytes=METADATA_LIMITS.max_bytes) as stream:
-        metadata = safe_loads(stream, allow=ALLOWED_GLOBALS, source=source, limits=METADATA_LIMITS)
+        metadata = safe_loads(stream, allow=allow, source=source, limits=METADATA_LIMITS)
     if not isinstance(metadata, _Metadata) or not isinstance(
         metadata.get("state_dict_metadata"), dict
     ):

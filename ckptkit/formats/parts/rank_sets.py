@@ -57,6 +57,7 @@ from ...limits import count_missing, first_missing, ranks_text
 from ...storage import Storage
 from ...unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
 from .dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
+from .dcp_metadata import restricted_getattr
 from .torch_save_files import Pickled, leaves, load_pickles, tensor_record
 
 RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
@@ -197,15 +198,12 @@ def _name(value: Any) -> str:
     return type(value).__name__
 
 
-def _getattr(obj: Any, name: Any, *default: Any) -> Any:
-    """``builtins.getattr`` for the one pair ShardedTensor pickles use, and nothing else."""
-    if obj is _ShardedTensor and name == "ProcessGroupState" and not default:
-        return _ProcessGroupState
-    raise UnsafePickleError(
-        f"pickle calls builtins.getattr({_name(obj)}, {str(name)[:40]!r}); only "
-        "getattr(ShardedTensor, 'ProcessGroupState') is allowed, nothing was run",
-        global_name="builtins.getattr",
-    )
+#: ``builtins.getattr`` for the one pair ShardedTensor pickles use, and nothing else (the
+#: shared restricted stand-in; Megatron's metadata allowlist builds its own from it).
+_getattr = restricted_getattr(
+    {(_ShardedTensor, "ProcessGroupState"): _ProcessGroupState},
+    "getattr(ShardedTensor, 'ProcessGroupState')",
+)
 
 
 def _rebuild_wrapper_subclass(
