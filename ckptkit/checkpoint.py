@@ -130,7 +130,13 @@ class Checkpoint(Source):
         return self.reader.read_array(self._on_rank(self._tensor_entry(key), rank))
 
     def read_object(self, key: str, *, rank: int | None = None, trust: bool = False) -> Any:
-        """The non-tensor value ``key``, decoded safely: unknown classes come back as placeholders.
+        """The non-tensor value ``key``, decoded safely: common classes as real values
+        (``argparse.Namespace``, ``SimpleNamespace``, ``collections`` types, numpy values,
+        OmegaConf configs as dicts and lists, ``torch.device`` as a
+        :class:`~ckptkit.known_objects.Device`), other classes as placeholders naming them
+        (:class:`~ckptkit.unpickler.Opaque`), reference cycles as
+        :class:`~ckptkit.known_objects.CycleRef`. Nothing the pickle names is run. Keys of one
+        torch.save file are served from its pickle, decoded once.
 
         ``rank`` picks one rank's copy (e.g. its RNG state in per-rank trainer state).
 

@@ -177,6 +177,19 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip checking what is read against the stored CRC-32 (faster)",
     )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        metavar="GLOB",
+        help="leave out keys matching this glob (repeatable), e.g. 'optim.*'",
+    )
+    parser.add_argument(
+        "--objects",
+        choices=["keep", "drop", "error"],
+        default="keep",
+        help="objects of classes ckptkit does not decode: write them back as pickled (keep, "
+        "the default; loading them needs those classes), leave them out (drop) or stop (error)",
+    )
 
 
 def _source(args: argparse.Namespace):
@@ -197,6 +210,8 @@ def _unshard(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        objects=args.objects,
+        exclude=args.exclude,
     )
     print(result)
     return 0
@@ -213,6 +228,8 @@ def _convert(args: argparse.Namespace) -> int:
         groups=args.groups,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        objects=args.objects,
+        exclude=args.exclude,
     )
     print(result)
     return 0

@@ -7,6 +7,7 @@ place only on success.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -17,17 +18,20 @@ from . import dtypes, output_names
 from .catalog import Chunk, Entry
 from .dtypes import DType
 from .errors import FormatError, UnsafePickleError, UsageError
+from .known_objects import decoded, opaque_names
 from .progress import ByteProgress
 from .reading import Reader
 from .source import Source, open_source
 from .state_dict import nest
 from .storage import Storage, atomic_output
-from .unpickler import Opaque
 from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
 from .writers import torch_save
 
 Target = Literal["torch", "safetensors", "dcp"]
+#: What unshard/convert do with an object holding classes ckptkit does not decode: write it
+#: back as the pickle built it (``keep``), leave the entry out (``drop``) or refuse (``error``).
+ObjectPolicy = Literal["keep", "drop", "error"]
 
 
 @dataclass
@@ -43,10 +47,14 @@ class WrittenFile:
 @dataclass
 class UnshardResult:
     """What :func:`unshard` wrote where; non-tensor entries of safetensors output are listed
-    under the ``*.objects.pt`` side files that hold them."""
+    under the ``*.objects.pt`` side files that hold them. ``opaque`` names the object entries
+    written back as their pickle built them, with the classes ckptkit did not decode (loading
+    them needs those classes, and runs their code); ``dropped`` the entries left out, and why."""
 
     destination: str
     files: list[WrittenFile] = field(default_factory=list)
+    opaque: dict[str, list[str]] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +75,24 @@ class UnshardResult:
             f"  {f.name:<40} {human_bytes(f.nbytes):>10}  {f.tensors} tensors, {f.objects} objects"
             for f in self.files
         ]
+        for title, notes in (
+            ("written as pickled (classes ckptkit does not decode)", _joined(self.opaque)),
+            ("left out", self.dropped),
+        ):
+            if notes:
+                lines.append(f"{len(notes)} objects {title}:")
+                lines += [f"  {key}: {why}" for key, why in list(notes.items())[:_LISTED]]
+                if len(notes) > _LISTED:
+                    lines.append(f"  … and {len(notes) - _LISTED} more")
         return "\n".join(lines)
+
+
+#: Keys listed per kind in :meth:`UnshardResult.__str__`.
+_LISTED = 10
+
+
+def _joined(opaque: dict[str, list[str]]) -> dict[str, str]:
+    return {key: ", ".join(names) for key, names in opaque.items()}
 
 
 def unshard(
@@ -82,6 +107,8 @@ def unshard(
     storage_options: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    objects: ObjectPolicy = "keep",
+    exclude: Sequence[str] | str | None = None,
 ) -> UnshardResult:
     """Write the checkpoint ``src`` unsharded into the directory ``dst``, one file per group.
 
@@ -90,18 +117,21 @@ def unshard(
     ``to="safetensors"``: ``<group>.safetensors`` with dotted keys relative to the group (HF
     ``-0000i-of-0000N`` shards + index with ``max_shard_size``); the group's non-tensor entries
     go to ``<group>.objects.pt``. ``keys`` (globs) and ``groups`` select entries; ``dtype``
-    casts floating tensors. Memory stays at about the largest tensor; nothing appears under a
+    casts floating tensors; ``exclude`` (globs) leaves entries out. Objects holding classes
+    ckptkit does not decode are written back as their pickle built them (``objects="keep"``,
+    listed in the result's ``opaque``), left out (``"drop"``) or refused (``"error"``); nothing
+    of them runs here. Memory stays at about the largest tensor; nothing appears under a
     final name unless everything succeeded, and existing files are kept unless ``overwrite``.
     """
     if to not in ("torch", "safetensors"):
         raise UsageError(f"to must be 'torch' or 'safetensors', not {to!r}")
     source = open_source(src, storage_options)
     cast = dtypes.dtype(dtype) if dtype is not None else None
-    entries = _select(source, keys, groups)
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     destination = Storage(dst, storage_options)
-    plans = _plans(entries, to, limit, cast)
     result = UnshardResult(destination.describe())
+    entries, values = _selected_values(source, keys, groups, exclude, objects, result)
+    plans = _plans(entries, values, to, limit, cast)
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([name for plan in plans for name in plan.names])
@@ -112,23 +142,64 @@ def unshard(
     return result
 
 
-def _select(
-    source: Source, keys: Sequence[str] | str | None, groups: Sequence[str] | str | None
-) -> list[Entry]:
-    """The entries ``keys`` / ``groups`` select; none at all is an error, not an empty output."""
-    entries = source.catalog.select(keys, groups)
+def _selected_values(
+    source: Source,
+    keys: Sequence[str] | str | None,
+    groups: Sequence[str] | str | None,
+    exclude: Sequence[str] | str | None,
+    policy: ObjectPolicy,
+    result: UnshardResult,
+) -> tuple[list[Entry], dict[str, Any]]:
+    """The entries to write and their objects' values (as pickled, tensors in memory), after
+    ``keys`` / ``groups`` / ``exclude`` and the object ``policy``; records what was left out
+    or carried opaquely in ``result``. Nothing left at all is an error, not an empty output."""
+    if policy not in ("keep", "drop", "error"):
+        raise UsageError(f"objects must be 'keep', 'drop' or 'error', not {policy!r}")
+    excluded = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    entries = []
+    for entry in source.catalog.select(keys, groups):
+        pattern = next((p for p in excluded if fnmatch.fnmatchcase(entry.key, p)), None)
+        if pattern is None:
+            entries.append(entry)
+        else:
+            result.dropped[entry.key] = f"exclude={pattern!r}"
+    objects = [e for e in entries if e.kind == "object"]
+    raw = source.reader.read_objects(objects, decode=False) if objects else []
+    values = dict(zip((e.key for e in objects), raw, strict=True))
+    for key, value in values.items():
+        names = opaque_names(decoded(value))
+        if not names:
+            continue
+        if policy == "error":
+            raise UnsafePickleError(
+                f"{key!r} holds {', '.join(names)}, which ckptkit does not decode; "
+                "objects='keep' writes it back as pickled, objects='drop' or exclude= leaves it out",
+                global_name=names[0],
+            )
+        if policy == "drop":
+            result.dropped[key] = f"holds {', '.join(names)} (objects='drop')"
+        else:
+            result.opaque[key] = names
+    entries = [e for e in entries if e.key not in result.dropped]
     if not entries:
-        raise FormatError(f"{source.url}: nothing matches keys={keys!r} groups={groups!r}")
-    return entries
+        raise FormatError(
+            f"{source.url}: nothing matches keys={keys!r} groups={groups!r}"
+            + (f" ({len(result.dropped)} entries left out)" if result.dropped else "")
+        )
+    return entries, {k: v for k, v in values.items() if k not in result.dropped}
 
 
-def _plans(entries: list[Entry], to: str, limit: int | None, cast: DType | None) -> list[_Plan]:
+def _plans(
+    entries: list[Entry], values: dict[str, Any], to: str, limit: int | None, cast: DType | None
+) -> list[_Plan]:
     """One output plan per group, their file names checked not to collide before any is written."""
     by_group: dict[str, list[Entry]] = {}
     for entry in entries:
         by_group.setdefault(entry.group, []).append(entry)
     plans = [
-        _plan_torch(group, items) if to == "torch" else _plan_safetensors(group, items, limit, cast)
+        _plan_torch(group, items, values)
+        if to == "torch"
+        else _plan_safetensors(group, items, values, limit, cast)
         for group, items in by_group.items()
     ]
     output_names.check_distinct_files({plan.group: plan.names for plan in plans})
@@ -145,6 +216,8 @@ def convert(
     storage_options: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    objects: ObjectPolicy = "keep",
+    exclude: Sequence[str] | str | None = None,
 ) -> UnshardResult:
     """Write ``src`` into ``dst`` as format ``to``.
 
@@ -152,6 +225,7 @@ def convert(
     reads at any world size; chunks keep their boxes and records already in torch.save form are
     copied byte for byte, so DCP → DCP with ``keys``/``groups`` is a cheap way to slim a
     checkpoint (e.g. drop the optimizer). ``"torch"`` / ``"safetensors"`` unshard.
+    ``objects`` and ``exclude`` work as for :func:`unshard`.
     """
     if to in ("torch", "safetensors"):
         return unshard(
@@ -163,34 +237,35 @@ def convert(
             storage_options=storage_options,
             overwrite=overwrite,
             progress=progress,
+            objects=objects,
+            exclude=exclude,
         )
     if to != "dcp":
         raise UsageError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
     source = open_source(src, storage_options)
-    entries = _select(source, keys, groups)
     destination = Storage(dst, storage_options)
+    result = UnshardResult(destination.describe())
+    entries, values = _selected_values(source, keys, groups, exclude, objects, result)
     with atomic_output(destination, overwrite=overwrite) as output:
         output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
-        data_size, metadata_size = _write_dcp(output, source.reader, entries, progress)
-    objects = sum(e.kind == "object" for e in entries)
-    return UnshardResult(
-        destination.describe(),
-        [
-            WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - objects, objects),
-            WrittenFile(dcp_writer.METADATA, metadata_size, 0, 0),
-        ],
-    )
+        data_size, metadata_size = _write_dcp(output, source.reader, entries, values, progress)
+    n_objects = len(values)
+    result.files += [
+        WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - n_objects, n_objects),
+        WrittenFile(dcp_writer.METADATA, metadata_size, 0, 0),
+    ]
+    return result
 
 
-def _write_dcp(output, reader: Reader, entries: list[Entry], progress: bool) -> tuple[int, int]:
+def _write_dcp(
+    output, reader: Reader, entries: list[Entry], values: dict[str, Any], progress: bool
+) -> tuple[int, int]:
     """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``; returns
-    both files' sizes."""
+    both files' sizes. ``values`` holds the objects' values."""
     total = sum(e.nbytes for e in entries if e.kind == "tensor")
 
     def object_value(entry: Entry) -> Any:
-        value = reader.read_objects([entry])[0]
-        _refuse_opaque(value, entry.key)
-        return value
+        return values[entry.key]
 
     with (
         ByteProgress(total, progress, "convert") as bar,
@@ -273,6 +348,7 @@ class _Plan:
 class _TorchPlan(_Plan):
     group: str
     entries: list[Entry]
+    values: dict[str, Any]  # the objects' values, by key
     name: str = ""
 
     @property
@@ -281,7 +357,7 @@ class _TorchPlan(_Plan):
 
     def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
         name = self.names[0]
-        structure, streamed = _structure(self.entries, source, copier.cast)
+        structure, streamed = _structure(self.entries, self.values, copier.cast)
         with output.open(name) as stream:
             torch_save.write(
                 stream,
@@ -294,20 +370,16 @@ class _TorchPlan(_Plan):
         return [WrittenFile(name, size, len(self.entries) - objects, objects)]
 
 
-def _plan_torch(group: str, entries: list[Entry]) -> _TorchPlan:
-    plan = _TorchPlan(group, entries)
+def _plan_torch(group: str, entries: list[Entry], values: dict[str, Any]) -> _TorchPlan:
+    plan = _TorchPlan(group, entries, values)
     _structure_paths(entries)  # clashing paths refused before anything is read or written
     return plan
 
 
 def _structure(
-    entries: list[Entry], source: Source, cast: DType | None
+    entries: list[Entry], values: dict[str, Any], cast: DType | None
 ) -> tuple[Any, dict[int, Entry]]:
-    """The group's nested value with tensors as slots (filled later) and objects decoded."""
-    objects = [e for e in entries if e.kind == "object"]
-    values = dict(zip((e.key for e in objects), source.reader.read_objects(objects), strict=True))
-    for key, value in values.items():
-        _refuse_opaque(value, key)
+    """The group's nested value with tensors as slots (filled later) and objects as pickled."""
     streamed: dict[int, Entry] = {}
     items = []
     for entry in entries:
@@ -333,28 +405,12 @@ def _structure_paths(entries: list[Entry]) -> None:
     nest((_inner_path(e), None) for e in entries)
 
 
-def _refuse_opaque(value: Any, key: str) -> None:
-    """Objects ckptkit did not decode cannot be written back: say which, instead of guessing."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, Opaque):
-            raise UnsafePickleError(
-                f"{key!r} holds {item.global_name}, which ckptkit does not run and so cannot write; "
-                "leave it out with keys=/groups=",
-                global_name=item.global_name,
-            )
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-
-
 @dataclass
 class _SafetensorsPlan(_Plan):
     group: str
     shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]]
     objects: list[Entry]
+    values: dict[str, Any]
 
     @property
     def stem(self) -> str:
@@ -381,7 +437,7 @@ class _SafetensorsPlan(_Plan):
         if len(self.shards) > 1:
             written.append(self._write_index(output))
         if self.objects:
-            side = _TorchPlan(self.group, self.objects, f"{self.stem}.objects.pt")
+            side = _TorchPlan(self.group, self.objects, self.values, f"{self.stem}.objects.pt")
             written.extend(side.write(output, source, copier))
         return written
 
@@ -419,7 +475,7 @@ class _SafetensorsPlan(_Plan):
 
 
 def _plan_safetensors(
-    group: str, entries: list[Entry], limit: int | None, cast: DType | None
+    group: str, entries: list[Entry], values: dict[str, Any], limit: int | None, cast: DType | None
 ) -> _SafetensorsPlan:
     shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]] = [[]]
     size = 0
@@ -436,7 +492,7 @@ def _plan_safetensors(
             size = 0
         shards[-1].append((item, entry))
         size += item.nbytes
-    return _SafetensorsPlan(group, shards, objects)
+    return _SafetensorsPlan(group, shards, objects, values)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)

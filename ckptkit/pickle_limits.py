@@ -50,6 +50,9 @@ class Limits:
     simulate_bytes: int = 512 << 10
     #: Walk the loaded value (False for DCP metadata: its adapter type-checks what it keeps).
     check_value: bool = True
+    #: Allow reference cycles that pass through an object (OmegaConf nodes point back to their
+    #: parents); cycles made of dicts and lists alone are refused always (flattening walks them).
+    object_cycles: bool = False
 
 
 #: DCP ``.metadata``: large (70 MB at 512k chunks), read by the DCP adapter, which validates.
@@ -57,7 +60,7 @@ METADATA_LIMITS = Limits(max_bytes=2 << 30, check_value=False)
 #: A tensor record's ``data.pkl``: a few hundred bytes describing one tensor.
 RECORD_LIMITS = Limits(max_bytes=1 << 20)
 #: User objects and whole torch.save pickles (trainer state, optimizer param groups, …).
-OBJECT_LIMITS = Limits(max_bytes=1 << 30)
+OBJECT_LIMITS = Limits(max_bytes=1 << 30, object_cycles=True)
 
 # --------------------------------------------------------------------------------------------
 # Opcodes.
@@ -589,49 +592,134 @@ _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), range, n
 def check_value(
     value: Any, limits: Limits, source: str, children: Callable[[Any], Any] | None = None
 ) -> None:
-    """Walk ``value`` once, without recursion, refusing cycles, nesting deeper than
-    ``limits.max_depth``, containers or tree sizes beyond ``limits.max_items``, huge ints and
-    numpy object arrays. ``children(obj)`` lists what else to descend into (placeholders)."""
-    heights: dict[int, int] = {}  # id → height, for finished nodes
-    tuple_heights: dict[int, int] = {}  # id → tuples nested in tuples (hashing recurses)
-    sizes: dict[int, int] = {}  # id → nodes of the subtree counted as a tree
-    on_path: set[int] = set()
-    keep: list[Any] = []  # ids stay valid while their objects live
+    """Walk ``value`` once, without recursion, refusing cycles (but those through an object when
+    ``limits.object_cycles``), nesting deeper than ``limits.max_depth``, containers or tree sizes
+    beyond ``limits.max_items``, huge ints and numpy object arrays. ``children(obj)`` lists what
+    else to descend into (placeholders). A reference back to a node on the current path counts
+    as a leaf, so the walk and its sizes stay bounded with cycles too."""
+    done = _Finished(limits, source)
+    path = _Path()
     stack: list[tuple[Any, list[Any] | None]] = [(value, None)]
     while stack:
         obj, kids = stack[-1]
-        key = id(obj)
         if kids is None:
-            if key in heights:
+            if id(obj) in done.heights:
                 stack.pop()
                 continue
             kids = _children(obj, limits, source, children)
             if kids:
-                if key in on_path:
-                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
-                on_path.add(key)
-                if len(on_path) > limits.max_depth:
-                    raise _refuse(source, f"values nested more than {limits.max_depth} deep")
-            stack[-1] = (obj, kids)
-            pending = [k for k in kids if id(k) not in heights]
-            if pending:
-                if not on_path.isdisjoint(map(id, pending)):
-                    raise CorruptRecordError(f"{source}: the pickle holds a reference cycle")
-                stack.extend(zip(pending, repeat(None)))
-                continue
+                pending = path.descend(obj, kids, done.heights, limits, source)
+                if pending is None:  # obj is on the path already: a cycle, allowed
+                    stack.pop()
+                    continue
+                stack[-1] = (obj, kids)
+                if pending:
+                    stack.extend(zip(pending, repeat(None)))
+                    continue
         stack.pop()
-        on_path.discard(key)
-        heights[key] = 1 + max((heights[id(k)] for k in kids), default=-1) if kids else 0
+        if kids:
+            path.leave(id(obj))
+        done.add(obj, kids)
+    _check_sharing(done.sizes.get(id(value), 1), len(done.sizes), source)
+
+
+class _Finished:
+    """Measures of the nodes :func:`check_value` has finished, by id; a kid not among them is
+    a reference back up the path and counts as a leaf."""
+
+    def __init__(self, limits: Limits, source: str) -> None:
+        self.limits, self.source = limits, source
+        self.heights: dict[int, int] = {}  # id → height
+        self.tuple_heights: dict[int, int] = {}  # id → tuples nested in tuples (hashing recurses)
+        self.sizes: dict[int, int] = {}  # id → nodes of the subtree counted as a tree
+        self.keep: list[Any] = []  # ids stay valid while their objects live
+
+    def add(self, obj: Any, kids: list[Any]) -> None:
+        key, limits = id(obj), self.limits
+        heights, sizes = self.heights, self.sizes
+        heights[key] = 1 + max((heights.get(id(k), 0) for k in kids), default=-1) if kids else 0
+        if heights[key] > limits.max_depth:  # shared parts can nest deeper than the walk went
+            raise _refuse(self.source, f"values nested more than {limits.max_depth} deep")
         if isinstance(obj, tuple):
-            tuple_heights[key] = 1 + max((tuple_heights.get(id(k), 0) for k in kids), default=0)
-            if tuple_heights[key] > limits.max_tuple_depth:
-                raise _refuse(source, f"tuples nested more than {limits.max_tuple_depth} deep")
-        size = 1 + sum(sizes[id(k)] for k in kids) if kids else 1
+            depth = 1 + max((self.tuple_heights.get(id(k), 0) for k in kids), default=0)
+            self.tuple_heights[key] = depth
+            if depth > limits.max_tuple_depth:
+                raise _refuse(self.source, f"tuples nested more than {limits.max_tuple_depth} deep")
+        size = 1 + sum(sizes.get(id(k), 1) for k in kids) if kids else 1
         if size > limits.max_items:
-            raise _refuse(source, f"a value of over {limits.max_items} nodes (shared parts)")
+            raise _refuse(self.source, f"a value of over {limits.max_items} nodes (shared parts)")
         sizes[key] = size
-        keep.append(obj)
-    _check_sharing(sizes.get(id(value), 1), len(sizes), source)
+        self.keep.append(obj)
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+class _Path:
+    """The nodes from the root to the one being walked, with how many of them are objects
+    (not builtin containers) up to each position, to tell a cycle through an object."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, int] = {}  # id → position on the path
+        self.objects: list[int] = [0]  # objects among the first i nodes
+        self.nodes: list[Any] = []
+
+    def descend(
+        self, obj: Any, kids: list[Any], finished: dict[int, int], limits: Limits, source: str
+    ) -> list[Any] | None:
+        """Put ``obj`` on the path and return its kids still to walk (a kid on the path is a
+        cycle: checked, not walked); None when ``obj`` itself is on the path already."""
+        if id(obj) in self.index:
+            self.cycle(id(obj), limits, source)
+            return None
+        self.enter(obj)
+        if len(self.index) > limits.max_depth:
+            raise _refuse(source, f"values nested more than {limits.max_depth} deep")
+        pending = []
+        for kid in kids:
+            if id(kid) in self.index:
+                self.cycle(id(kid), limits, source, kid)
+            elif id(kid) not in finished:
+                pending.append(kid)
+        return pending
+
+    def enter(self, obj: Any) -> None:
+        self.index[id(obj)] = len(self.nodes)
+        self.nodes.append(obj)
+        self.objects.append(self.objects[-1] + (not isinstance(obj, _CONTAINERS)))
+
+    def leave(self, key: int) -> None:
+        del self.index[key]
+        self.nodes.pop()
+        self.objects.pop()
+
+    def cycle(self, key: int, limits: Limits, source: str, kid: Any = None) -> None:
+        """A reference (``kid`` of the last node) back to the node ``key`` on the path: allowed
+        when the loop passes through an object and ``limits.object_cycles``, else refused
+        naming where it is."""
+        start = self.index[key]
+        if limits.object_cycles and self.objects[-1] - self.objects[start] > 0:
+            return
+        raise CorruptRecordError(
+            f"{source}: the pickle holds a reference cycle at {self.where(start, kid)}"
+        )
+
+    def where(self, start: int, kid: Any) -> str:
+        """The loop as a path of keys: ``<value>['a'][0], which refers back to <value>['a']``."""
+        steps = ["<value>"]
+        for parent, child in zip(self.nodes, [*self.nodes[1:], kid], strict=False):
+            steps.append(_step(parent, child))
+        return f"{''.join(steps)}, which refers back to {''.join(steps[: start + 1])}"
+
+
+def _step(parent: Any, child: Any) -> str:
+    if isinstance(parent, dict):
+        found = next((k for k, v in parent.items() if v is child), "?")
+        return f"[{found!r}]"
+    if isinstance(parent, list | tuple):
+        found = next((i for i, v in enumerate(parent) if v is child), "?")
+        return f"[{found}]"
+    return f".<{type(parent).__name__}>"
 
 
 def _check_sharing(tree: int, objects: int, source: str) -> None:

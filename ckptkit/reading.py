@@ -7,6 +7,7 @@ imported only to hand back a ``torch.Tensor``), a bounded batch of records at a 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,8 +21,10 @@ from .errors import (
     LimitExceededError,
     MismatchError,
     MissingFileError,
+    PickleLimitError,
     TruncatedFileError,
 )
+from .known_objects import MAX_DEPTH, decoded
 from .pickle_limits import OBJECT_LIMITS
 from .records import (
     SafetensorsHeader,
@@ -61,6 +64,7 @@ class Reader:
         self.verify_crc = verify_crc
         self._safetensors_headers: dict[tuple[str, int], SafetensorsHeader] = {}
         self._zip_indexes: dict[str, ZipIndex] = {}  # torch.save file → its located members
+        self._pickles: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
 
     # -- tensors ---------------------------------------------------------------------------
 
@@ -114,10 +118,8 @@ class Reader:
 
     def read_tensor(self, entry: Entry):
         """The whole tensor as a ``torch.Tensor`` with the entry's dtype (imports torch)."""
-        import torch
-
         array = self.read_array(entry)
-        return torch.from_numpy(array).view(dtypes.to_torch(entry.dtype))
+        return _tensor_from_numpy(array, entry.dtype)
 
     def decode_chunks(self, entry: Entry, chunks: list[Chunk]) -> list[TensorData]:
         """What each of ``chunks`` (chunks of the tensor ``entry`` that have a record) stores:
@@ -231,41 +233,75 @@ class Reader:
 
     # -- objects ---------------------------------------------------------------------------
 
-    def read_objects(self, entries: list[Entry], *, tensors: str = "torch") -> list[Any]:
+    def read_objects(
+        self, entries: list[Entry], *, tensors: str = "torch", decode: bool = True
+    ) -> list[Any]:
         """Decode object entries in one batch of reads.
 
         ``tensors="torch"`` turns tensors inside objects into ``torch.Tensor`` (imports torch);
-        ``tensors="ref"`` leaves them as descriptions, which needs no torch.
+        ``tensors="ref"`` leaves them as descriptions, which needs no torch. ``decode`` turns
+        placeholders of known benign classes into real values and marks reference cycles
+        (:func:`ckptkit.known_objects.decoded`); False keeps every placeholder and cycle as the
+        pickle built them, for writing the value back. A torch.save file's ``data.pkl`` is
+        decoded once and kept for later keys of the same file (:attr:`PICKLE_CACHE` files).
         """
-        records = []
-        for entry in entries:
-            if entry.kind != "object" or not entry.chunks or entry.chunks[0].record is None:
-                raise FormatError(f"{entry.key!r} is not an object entry")
-            records.append(entry.chunks[0].record)
-        ranges = list(dict.fromkeys((r.file, r.offset, r.offset + r.length) for r in records))
+        records = [_object_record(entry) for entry in entries]
+        ranges = list(
+            dict.fromkeys(
+                _record_range(r)
+                for r in records
+                if r.encoding is Encoding.TORCH_SAVE or _record_range(r) not in self._pickles
+            )
+        )
         keys = ", ".join(repr(e.key) for e in entries[:3]) + (" …" if len(entries) > 3 else "")
-        blobs = dict(zip(ranges, self.read_ranges(ranges, keys), strict=True))
-        pickles: dict[tuple, Any] = {}  # PICKLE_LEAF / PICKLE_BYTES records share a pickle
+        blobs = dict(zip(ranges, self.read_ranges(ranges, keys), strict=True)) if ranges else {}
         values = []
         for entry, record in zip(entries, records, strict=True):
-            blob = blobs[(record.file, record.offset, record.offset + record.length)]
             source = f"{self.storage.describe(record.file)} @{record.offset} ({entry.key})"
-            if self.verify_crc and record.crc32 is not None:
-                check_crc(blob, record.crc32, source)
-            if record.encoding is Encoding.PICKLE_LEAF:
-                values.append(self._pickle_leaf(record, blob, pickles, tensors))
-                continue
-            if record.encoding is Encoding.PICKLE_BYTES:
-                values.append(_pickle_bytes(record, blob, pickles, source))
-                continue
-            raw = undo_transform(blob, record.transform, source, limit=OBJECT_LIMITS.max_bytes)
-            value, archive = decode_object_record(raw, source, verify_crc=self.verify_crc)
+            if record.encoding is Encoding.TORCH_SAVE:
+                blob = blobs[_record_range(record)]
+                self._check_crc(blob, record, source)
+                raw = undo_transform(blob, record.transform, source, limit=OBJECT_LIMITS.max_bytes)
+                value, archive = decode_object_record(raw, source, verify_crc=self.verify_crc)
+                convert = lambda ref, a=archive, s=source: _to_torch(a.tensor(ref), s)  # noqa: E731
+            else:
+                value = _walk(self._pickle(record, blobs, entry.key), leaf_path(record), source)
+                convert = lambda ref, r=record, s=source: self._pickled_tensor(r, ref, s)  # noqa: E731
+            if decode:
+                value = decoded(value)
             if tensors == "torch":
-                value = _materialize(
-                    value, lambda ref, a=archive, s=source: _to_torch(a.tensor(ref), s)
-                )
+                value = _materialize(value, convert)
             values.append(value)
         return values
+
+    #: Decoded ``data.pkl`` pickles kept for later reads of other keys of the same file.
+    PICKLE_CACHE = 8
+
+    def _pickle(self, record: Record, blobs: dict[tuple[str, int, int], bytes], key: str) -> Any:
+        """The whole pickle a PICKLE_LEAF / PICKLE_BYTES record points into, decoded once."""
+        where = _record_range(record)
+        if where in self._pickles:
+            self._pickles.move_to_end(where)
+            return self._pickles[where]
+        blob = blobs.get(where)
+        if blob is None:  # cached when the batch began, dropped since by other files
+            (blob,) = self.read_ranges([where], key)
+        source = self.storage.describe(record.file)
+        self._check_crc(blob, record, f"{source} @{record.offset} ({key})")
+        if record.encoding is Encoding.PICKLE_LEAF:
+            value = safe_loads(blob, allow=self.object_globals, source=source, unknown="opaque")
+        elif record.encoding is Encoding.PICKLE_BYTES:
+            value = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
+        else:
+            raise FormatError(f"{source}: {key!r} has no object record ({record.encoding.value})")
+        self._pickles[where] = value
+        while len(self._pickles) > self.PICKLE_CACHE:
+            self._pickles.popitem(last=False)
+        return value
+
+    def _check_crc(self, blob: bytes, record: Record, source: str) -> None:
+        if self.verify_crc and record.crc32 is not None:
+            check_crc(blob, record.crc32, source)
 
     def read_object_trusted(self, entry: Entry) -> Any:
         """UNSAFE: ``entry``'s value as torch itself loads it (``torch.load(weights_only=False)``
@@ -301,22 +337,12 @@ class Reader:
             return _walk(pickle.loads(blob), path, source)
         raise FormatError(f"{source}: no trusted loader for {record.encoding.value} records")
 
-    def _pickle_leaf(
-        self, record: Record, blob: bytes, pickles: dict[tuple[str, int], Any], tensors: str
-    ) -> Any:
-        """The leaf at ``record.name`` in a torch.save file's ``data.pkl`` (decoded once)."""
-        source = self.storage.describe(record.file)
-        if (record.file, record.offset) not in pickles:
-            pickles[(record.file, record.offset)] = safe_loads(
-                blob, allow=self.object_globals, source=source, unknown="opaque"
-            )
-        value = _walk(pickles[(record.file, record.offset)], leaf_path(record), source)
-        if tensors == "torch":
-            value = _materialize(value, lambda ref: self._pickled_tensor(record.file, ref, source))
-        return value
-
-    def _pickled_tensor(self, file: str, ref: TensorRef, source: str):
-        """A tensor inside a pickled object, its storage read from the torch.save zip."""
+    def _pickled_tensor(self, record: Record, ref: TensorRef, source: str):
+        """A tensor inside a pickled object, its storage read from the torch.save zip (a bare
+        pickle has no storages: its tensors stay descriptions)."""
+        if record.encoding is not Encoding.PICKLE_LEAF:
+            return ref
+        file = record.file
         if file not in self._zip_indexes:
             self._zip_indexes[file] = read_zip_indexes(self.storage, [file])[file]
         member = self._zip_indexes[file].member(f"data/{ref.storage.key}", source)
@@ -327,14 +353,14 @@ class Reader:
         return _to_torch(data, source)
 
 
-def _pickle_bytes(record: Record, blob: bytes, pickles: dict, source: str) -> Any:
-    """The leaf at ``record.name`` of the bare pickle ``blob`` (decoded once per record). A bare
-    pickle has no storages to read: a tensor in it stays a description."""
-    cache = (record.file, record.offset, record.length)
-    if cache not in pickles:
-        pickles[cache] = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
-    path = leaf_path(record)
-    return _walk(pickles[cache], path, source)
+def _object_record(entry: Entry) -> Record:
+    if entry.kind != "object" or not entry.chunks or entry.chunks[0].record is None:
+        raise FormatError(f"{entry.key!r} is not an object entry")
+    return entry.chunks[0].record
+
+
+def _record_range(record: Record) -> tuple[str, int, int]:
+    return (record.file, record.offset, record.offset + record.length)
 
 
 def _distinct_chunks(entry: Entry) -> list[Chunk]:
@@ -456,10 +482,18 @@ def _place(out: np.ndarray, chunk: Chunk, data: TensorData, entry: Entry, source
 
 
 def _to_torch(data: TensorData, source: str):
+    array = np.array(strided_view(data, source))  # copy: own, writable memory
+    return _tensor_from_numpy(array, data.dtype)
+
+
+def _tensor_from_numpy(array: np.ndarray, dt: dtypes.DType):
+    """``array`` as a tensor of ``dt`` sharing its memory; an empty one with the strides
+    torch gives empty tensors (numpy's would make ``.view(torch.uint8)`` fail)."""
     import torch
 
-    array = np.array(strided_view(data, source))  # copy: own, writable memory
-    return torch.from_numpy(array).view(dtypes.to_torch(data.dtype))
+    if not array.size:
+        return torch.empty(array.shape, dtype=dtypes.to_torch(dt))
+    return torch.from_numpy(array).view(dtypes.to_torch(dt))
 
 
 def _walk(value: Any, path: list, source: str) -> Any:
@@ -481,18 +515,48 @@ def _walk(value: Any, path: list, source: str) -> Any:
 
 
 def _materialize(value: Any, convert) -> Any:
-    """``value`` with every tensor description replaced by ``convert(ref)``."""
-    if isinstance(value, TensorRef):
-        return convert(value)
-    if isinstance(value, dict):
-        out = value.copy()
-        for k, v in value.items():
-            out[k] = _materialize(v, convert)
+    """``value`` with every tensor description replaced by ``convert(ref)``: a new value where
+    anything changes (the cached pickle stays as it was); reference cycles are kept."""
+    return _Materializer(convert).value(value, 0)
+
+
+class _Materializer:
+    """Copies every container and placeholder once (shared parts stay shared, the source is
+    never changed); dicts, lists and placeholders are registered before their parts, so
+    cycles through them close on the copies."""
+
+    def __init__(self, convert) -> None:
+        self.convert = convert
+        self.done: dict[int, Any] = {}
+        self.keep: list[Any] = []  # ids stay valid while their objects live
+
+    def value(self, value: Any, depth: int) -> Any:
+        if isinstance(value, TensorRef):
+            return self.convert(value)
+        if not isinstance(value, dict | list | tuple | set | frozenset | Opaque):
+            return value
+        key = id(value)
+        if key in self.done:
+            return self.done[key]
+        if depth > MAX_DEPTH:
+            raise PickleLimitError(f"object nested more than {MAX_DEPTH} deep")
+        self.keep.append(value)
+        depth += 1
+        if isinstance(value, dict):
+            out = self.done[key] = value.copy()
+            for k, v in value.items():
+                out[k] = self.value(v, depth)
+        elif isinstance(value, list):
+            out = self.done[key] = []
+            out.extend(self.value(v, depth) for v in value)
+        elif isinstance(value, Opaque):
+            out = self.done[key] = Opaque.__new__(type(value))
+            out.called, out.kwargs = value.called, self.value(value.kwargs, depth)
+            out.args = self.value(value.args, depth)
+            out.state = self.value(value.state, depth)
+            out.listitems = self.value(value.listitems, depth)
+            out.dictitems = [(k, self.value(v, depth)) for k, v in value.dictitems]
+        else:  # tuples, sets: immutable, built from their parts
+            out = type(value)(self.value(v, depth) for v in value)
+            self.done[key] = out
         return out
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value)(_materialize(v, convert) for v in value)
-    if isinstance(value, Opaque):
-        value.args = tuple(_materialize(v, convert) for v in value.args)
-        value.state = _materialize(value.state, convert)
-        value.items = [_materialize(v, convert) for v in value.items]
-    return value

@@ -12,6 +12,7 @@ unpickler runs it and the value after. The one way around all this is
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import contextlib
 import gc
@@ -324,45 +325,79 @@ OBJECT_GLOBALS: dict[str, Any] = {
     **_NUMPY_GLOBALS,
 }
 
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as Python 3 spells a global a protocol-2 pickle may give in Python 2
+    terms (``__builtin__.long`` → ``builtins.int``), as ``pickle``'s ``fix_imports`` does."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-class Opaque:
-    """A value whose class the allowlist does not know: kept by name and arguments, never run."""
+class _OpaqueGlobal(type):
+    """The type of placeholder classes: a global a pickle names shows as that name (an object's
+    type column says ``class``, as for a class it refers to)."""
+
+    global_name = "class"
+
+    def __repr__(cls) -> str:
+        return f"<class {cls.global_name}>"
+
+
+class Opaque(metaclass=_OpaqueGlobal):
+    """A value whose class the allowlist does not know: kept by name and arguments, never run.
+
+    It records exactly what the pickle did, so a writer can replay it without the class:
+    ``called`` tells ``cls(*args)`` (REDUCE) from ``cls.__new__(cls, *args)`` (NEWOBJ),
+    ``state`` is what BUILD set, ``listitems`` / ``dictitems`` what APPENDS / SETITEMS added.
+    The class itself (a subclass per global) spells the global as ``module`` and ``qualname``.
+    """
 
     global_name = "?"
+    module = "?"
+    qualname = "?"
 
-    def __new__(cls, *args):  # NEWOBJ and REDUCE both land here
+    def __new__(cls, *args, **kwargs):  # NEWOBJ lands here only; REDUCE then calls __init__
         obj = object.__new__(cls)
-        obj.args, obj.state, obj.items = args, None, []
+        obj.args, obj.kwargs, obj.state, obj.called = args, kwargs, None, False
+        obj.listitems, obj.dictitems = [], []
         return obj
 
-    def __init__(self, *args) -> None:
-        pass
+    def __init__(self, *args, **kwargs) -> None:
+        self.called = True
 
     def __setstate__(self, state) -> None:
         self.state = state
 
     def append(self, item) -> None:
-        self.items.append(item)
+        self.listitems.append(item)
 
     def extend(self, items) -> None:
-        self.items.extend(items)
+        self.listitems.extend(items)
 
     def __setitem__(self, key, value) -> None:
-        self.items.append((key, value))
+        self.dictitems.append((key, value))
+
+    @property
+    def items(self) -> list:
+        """Appended items, then ``(key, value)`` pairs set, as one list (for comparisons)."""
+        return [*self.listitems, *self.dictitems]
 
     def __repr__(self) -> str:
         return f"<{self.global_name}{self.args!r}>" if self.args else f"<{self.global_name}>"
 
 
-_OPAQUE_CLASSES: dict[str, type[Opaque]] = {}
+_OPAQUE_CLASSES: dict[tuple[str, str], type[Opaque]] = {}
 
 
-def _opaque_class(name: str) -> type[Opaque]:
-    cls = _OPAQUE_CLASSES.get(name)
+def _opaque_class(module: str, qualname: str) -> type[Opaque]:
+    cls = _OPAQUE_CLASSES.get((module, qualname))
     if cls is None:
-        cls = _OPAQUE_CLASSES[name] = type("Opaque", (Opaque,), {"global_name": name})
+        cls = _OPAQUE_CLASSES[(module, qualname)] = type(
+            "Opaque",
+            (Opaque,),
+            {"global_name": f"{module}.{qualname}", "module": module, "qualname": qualname},
+        )
     return cls
 
 
@@ -377,13 +412,14 @@ class _Unpickler(pickle.Unpickler):
         self._allow, self._unknown, self._source = allow, unknown, source
 
     def find_class(self, module: str, name: str) -> Any:
-        full = f"{_PY2_MODULES.get(module, module)}.{name}"
+        module, name = python3_name(module, name)
+        full = f"{module}.{name}"
         try:
             return _sealed(self._allow[full])
         except KeyError:
             pass
         if self._unknown == "opaque":
-            return _opaque_class(full)
+            return _opaque_class(module, name)
         raise UnsafePickleError(
             f"{self._source}: pickle references {full}, which is not on the allowlist; "
             "nothing was imported or run",
@@ -512,7 +548,7 @@ def _classifier(allow: Mapping[str, Any]):
     """How each allowed global behaves when a pickle calls it, for :func:`simulate`."""
 
     def classify(module: str, name: str) -> str:
-        value = allow.get(f"{_PY2_MODULES.get(module, module)}.{name}")
+        value = allow.get(".".join(python3_name(module, name)))
         if value is None:  # refused, or an Opaque placeholder: never a tuple
             return ATOM
         if isinstance(value, type):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import zipfile
 from pathlib import Path
@@ -362,7 +363,12 @@ def test_hostile_object_in_trainer_state_is_a_named_placeholder(tmp_path):
     assert is_opaque(value) and type(value).global_name == "posix.system"
     assert torch.equal(ckpt.read("model.w", rank=1), torch.arange(4.0) + 1)
     with pytest.raises(ckptkit.UnsafePickleError, match="posix.system"):
-        ckptkit.unshard(ckpt, str(tmp_path / "out"), progress=False)
+        ckptkit.unshard(ckpt, str(tmp_path / "out"), progress=False, objects="error")
+    # by default written back as pickled, never run; torch's safe loader refuses it still
+    result = ckptkit.unshard(ckpt, str(tmp_path / "kept"), progress=False)
+    assert result.opaque == {"train.evil": ["posix.system"]}
+    with pytest.raises(pickle.UnpicklingError, match="posix.system"):
+        torch.load(tmp_path / "kept" / "train.pt", weights_only=True)
     assert not marker.exists()
 
 

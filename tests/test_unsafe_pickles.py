@@ -243,9 +243,17 @@ def test_payloads_in_torch_save_objects_become_placeholders(tmp_path, name):
     nested = ckpt.read_object("model.nested.config.layers.0.act")
     assert nested[0] == 1 and is_opaque(nested[1])
     assert torch.equal(ckpt.read("model.w"), torch.ones(3))
-    with pytest.raises(ckptkit.UnsafePickleError, match="model.top"):  # cannot write it back
-        ckptkit.unshard(ckpt, str(tmp_path / "out"), progress=False)
+    with pytest.raises(ckptkit.UnsafePickleError, match="model.top"):  # refused when asked
+        ckptkit.unshard(ckpt, str(tmp_path / "out"), progress=False, objects="error")
     assert not (tmp_path / "out" / "model.pt").exists()
+    dropped = ckptkit.unshard(ckpt, str(tmp_path / "drop"), progress=False, objects="drop")
+    assert set(dropped.dropped) == {"model.top", "model.nested.config.layers.0.act"}
+    assert set(torch.load(tmp_path / "drop" / "model.pt", weights_only=True)) == {"w"}
+    # by default written back as pickled, never run: torch's own safe loader still refuses it
+    kept = ckptkit.unshard(ckpt, str(tmp_path / "out"), progress=False)
+    assert set(kept.opaque) == {"model.top", "model.nested.config.layers.0.act"}
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert not marker.exists()
 
 

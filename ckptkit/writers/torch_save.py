@@ -7,6 +7,7 @@ The result is the zip layout torch itself writes (stored members, storages 64-by
 from __future__ import annotations
 
 import collections
+import copyreg
 import io
 import math
 import pickle
@@ -18,7 +19,8 @@ from typing import Any, BinaryIO
 
 from .. import dtypes
 from ..dtypes import DType
-from ..errors import MismatchError
+from ..errors import MismatchError, UnsafePickleError, UsageError
+from ..unpickler import Opaque
 
 ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -160,42 +162,112 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def dumps(structure: Any) -> tuple[bytes, list[TensorSlot]]:
     """Pickle ``structure`` as torch.save does; tensors (slots or ``torch.Tensor``) become storages.
 
-    Returns the ``data.pkl`` bytes and the slots in storage-key order. Imports torch, whose
-    rebuild functions and storage classes the pickle names.
+    Placeholders of classes ckptkit did not decode (:class:`~ckptkit.unpickler.Opaque`) are
+    replayed as the pickle that built them: the same global, arguments, state and items, so
+    loading the output where those classes exist gives the original objects; nothing of them
+    is imported or run here. Returns the ``data.pkl`` bytes and the slots in storage-key
+    order. Imports torch, whose rebuild functions and storage classes the pickle names.
     """
-    import torch
-
     slots: list[TensorSlot] = []
+    try:
+        return _dump(_TorchPickler, structure, slots), slots
+    except _HoldsOpaque:  # the C pickler would import a placeholder's module to name it
+        for slot in slots:
+            slot.key = ""
+        slots.clear()
+        return _dump(_ReplayingPickler, structure, slots), slots
 
-    class _Pickler(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                obj = _slot_from_tensor(obj)
-            if not isinstance(obj, TensorSlot):
-                return NotImplemented
-            if not obj.key:
-                obj.key = str(len(slots))
-                slots.append(obj)
-            args = (_StorageId(obj), 0, torch.Size(obj.shape), _contiguous_strides(obj.shape))
-            args += (False, collections.OrderedDict())
-            if (
-                obj.dtype.storage is None
-            ):  # fp8, uint16…: untyped bytes plus the dtype, as torch does
-                return torch._utils._rebuild_tensor_v3, (*args, dtypes.to_torch(obj.dtype))
-            return torch._utils._rebuild_tensor_v2, args
 
-        def persistent_id(self, obj: Any) -> Any:
-            if not isinstance(obj, _StorageId):
-                return None
-            slot = obj.slot
-            if slot.dtype.storage is None:
-                return ("storage", torch.storage.UntypedStorage, slot.key, "cpu", slot.nbytes)
-            storage_type = getattr(torch, slot.dtype.storage)
-            return ("storage", storage_type, slot.key, "cpu", slot.nbytes // slot.dtype.itemsize)
+class _HoldsOpaque(Exception):
+    """The structure holds a placeholder: pickle it again with :class:`_ReplayingPickler`."""
 
+
+def _dump(pickler: type, structure: Any, slots: list[TensorSlot]) -> bytes:
     buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(structure)
-    return buf.getvalue(), slots
+    pickler(buf, slots).dump(structure)
+    return buf.getvalue()
+
+
+class _TensorReduction:
+    """What both picklers share: tensors and slots as torch.save pickles them."""
+
+    def __init__(self, stream: BinaryIO, slots: list[TensorSlot]) -> None:
+        super().__init__(stream, protocol=2)
+        self.slots = slots
+
+    def reduce_tensor(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            obj = _slot_from_tensor(obj)
+        if not isinstance(obj, TensorSlot):
+            return NotImplemented
+        if not obj.key:
+            obj.key = str(len(self.slots))
+            self.slots.append(obj)
+        args = (_StorageId(obj), 0, torch.Size(obj.shape), _contiguous_strides(obj.shape))
+        args += (False, collections.OrderedDict())
+        if obj.dtype.storage is None:  # fp8, uint16…: untyped bytes plus the dtype, as torch does
+            return torch._utils._rebuild_tensor_v3, (*args, dtypes.to_torch(obj.dtype))
+        return torch._utils._rebuild_tensor_v2, args
+
+    def persistent_id(self, obj: Any) -> Any:
+        import torch
+
+        if not isinstance(obj, _StorageId):
+            return None
+        slot = obj.slot
+        if slot.dtype.storage is None:
+            return ("storage", torch.storage.UntypedStorage, slot.key, "cpu", slot.nbytes)
+        storage_type = getattr(torch, slot.dtype.storage)
+        return ("storage", storage_type, slot.key, "cpu", slot.nbytes // slot.dtype.itemsize)
+
+
+class _TorchPickler(_TensorReduction, pickle.Pickler):
+    """The C pickler: fast, for structures without placeholders."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Opaque) or (isinstance(obj, type) and issubclass(obj, Opaque)):
+            raise _HoldsOpaque
+        return self.reduce_tensor(obj)
+
+
+class _ReplayingPickler(_TensorReduction, pickle._Pickler):
+    """The pure-Python pickler (its ``save_global`` can be taught to name a placeholder's
+    global without importing it), replaying each placeholder as the pickle that built it."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Opaque):
+            return _replay(obj)
+        return self.reduce_tensor(obj)
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, Opaque):
+            if not all(part.isidentifier() for part in f"{obj.module}.{obj.qualname}".split(".")):
+                # STACK_GLOBAL names are any string: a newline would inject opcodes here
+                raise UnsafePickleError(
+                    f"cannot write the global {obj.global_name!r}: not a dotted Python name",
+                    global_name=obj.global_name,
+                )
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def _replay(obj: Opaque) -> tuple:
+    """The reduce value that pickles ``obj`` as it was unpickled: REDUCE ``cls(*args)`` or
+    NEWOBJ ``cls.__new__(cls, *args)``, then its items, then BUILD with its state."""
+    if obj.kwargs:
+        raise UsageError(
+            f"{obj.global_name} was built with keyword arguments (NEWOBJ_EX), which a "
+            "protocol-2 torch.save pickle cannot express; leave it out with exclude="
+        )
+    listitems = iter(obj.listitems) if obj.listitems else None
+    dictitems = iter(obj.dictitems) if obj.dictitems else None
+    if obj.called:
+        return type(obj), obj.args, obj.state, listitems, dictitems
+    return copyreg.__newobj__, (type(obj), *obj.args), obj.state, listitems, dictitems
 
 
 @dataclass(eq=False)
