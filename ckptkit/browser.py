@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as widgets
 import numpy as np
 
+from . import tensor_blocks
 from .catalog import Chunk, Entry, distinct_chunks
-from .diff import as_float, map_key
 from .diff import diff as diff_checkpoints
+from .diff import map_key
 from .errors import CheckpointError, KeyNotFoundError
 from .plots import plot_chunk_layout, plot_value_histogram
 from .reading import check_coverage
@@ -38,7 +39,7 @@ MAX_LISTED = 1000
 #: Tensors at least this large (bytes) show a progress bar while their statistics are read.
 PROGRESS_BYTES = 16 << 20
 #: Elements converted to float64 at once while computing statistics.
-BLOCK_ELEMENTS = 1 << 20
+BLOCK_ELEMENTS = tensor_blocks.BLOCK_ELEMENTS
 #: The histogram uses every finite value up to this many elements, an even sample beyond.
 HIST_SAMPLE = 1 << 20
 HIST_BINS = 50
@@ -436,7 +437,7 @@ def _tensor_stats(
         raw = ckpt.reader.read_chunk(entry, chunk)
         for begin in range(0, len(raw), BLOCK_ELEMENTS * itemsize):
             block = raw[begin : begin + BLOCK_ELEMENTS * itemsize]
-            values = as_float(block, entry.dtype)
+            values = tensor_blocks.as_float(block, entry.dtype)
             if values.dtype.kind == "c":
                 values = np.abs(values)
             finite = running.add(values)

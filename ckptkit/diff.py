@@ -2,7 +2,7 @@
 
 Keys are matched after dropping wrapper segments (``_fsdp_wrapped_module.`` …) and applying a
 ``key_map``; tensors stream from both sides in lockstep, in blocks of at most
-:data:`BLOCK_ELEMENTS` elements whatever the two sides' chunking. Each block's raw bytes are
+:data:`~ckptkit.tensor_blocks.BLOCK_ELEMENTS` elements whatever the two sides' chunking. Each block's raw bytes are
 compared first, so bit-identical tensors cost a byte comparison and no float math.
 """
 
@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, tensor_blocks
 from .catalog import Entry
 from .dtypes import DType
-from .errors import CorruptRecordError, KeyNotFoundError, UsageError
+from .errors import KeyNotFoundError, UsageError
 from .progress import ByteProgress
 from .reading import Reader
 from .source import Source, open_source
+from .tensor_blocks import ByteStream, aligned_blocks, as_float, bytes_equal
 from .unpickler import Opaque, TensorRef
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ STATUSES = (
 )
 #: Statuses meaning "the same within tolerance" (the CLI exits 0 when every row has one).
 SAME = ("equal", "close")
-#: Elements compared at once; float64 working arrays then stay at a few × 8 MB.
-BLOCK_ELEMENTS = 1 << 20
 #: Module-wrapper path segments that are never part of a parameter's identity.
 WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 COLUMNS = [
@@ -253,8 +252,10 @@ def _max_abs(x: np.ndarray) -> float:
 
 
 def _sumsq(x: np.ndarray) -> float:
-    """‖x‖² (BLAS dot for real arrays)."""
-    return float(np.dot(x, x)) if x.dtype.kind == "f" else float(np.vdot(x, x).real)
+    """‖x‖², without BLAS (whose threads spin for ms per block on a busy machine)."""
+    if x.dtype.kind == "c":
+        x = np.abs(x)
+    return float(np.einsum("i,i->", x, x))
 
 
 class _Stats:
@@ -306,8 +307,12 @@ class _Stats:
             self.scale = max(self.scale, _max_abs(x), _max_abs(y))
         self.sumsq_a += _sumsq(x)
         self.sumsq_b += _sumsq(y)
-        self.dot += float(np.vdot(x, y).real)
-        self.sumsq_diff += float(np.dot(d, d))
+        self.dot += (
+            float(np.einsum("i,i->", x, np.conj(y)).real)
+            if x.dtype.kind == "c"
+            else (float(np.einsum("i,i->", x, y)))
+        )
+        self.sumsq_diff += _sumsq(d)
 
     def result(self, tol: _Tolerance) -> dict[str, Any]:
         if self.identical:
@@ -347,7 +352,7 @@ def _compare_streams(ra: Reader, ea: Entry, rb: Reader, eb: Entry, tol: _Toleran
     stats = _Stats(ea.numel, exact=same_dtype and not ea.dtype.is_floating)
     for n, ba, bb in aligned_blocks(ra, ea, rb, eb):
         bar.update(max(len(ba), len(bb)))
-        if same_dtype and _bytes_equal(ba, bb):
+        if same_dtype and bytes_equal(ba, bb):
             if stats.identical:
                 stats.prefix += n
             else:
@@ -368,96 +373,12 @@ def _compare_streams(ra: Reader, ea: Entry, rb: Reader, eb: Entry, tol: _Toleran
 
 def _add_prefix_norms(reader: Reader, entry: Entry, stats: _Stats) -> None:
     """Re-read the leading identical elements of a tensor that turned out to differ later."""
-    stream = _ByteStream(reader.iter_bytes(entry), entry.key)
+    stream = ByteStream(reader.iter_bytes(entry), entry.key)
     remaining = stats.prefix
     while remaining:
-        n = min(BLOCK_ELEMENTS, remaining)
+        n = min(tensor_blocks.BLOCK_ELEMENTS, remaining)
         stats.same_block(as_float(stream.take(n * entry.dtype.itemsize), entry.dtype))
         remaining -= n
-
-
-def aligned_blocks(
-    ra: Reader, ea: Entry, rb: Reader, eb: Entry
-) -> Iterator[tuple[int, memoryview, memoryview]]:
-    """``(n, a_bytes, b_bytes)``: the same ``n`` row-major elements of both tensors, in order."""
-    block = BLOCK_ELEMENTS
-    sa = _ByteStream(ra.iter_bytes(ea), ea.key)
-    sb = _ByteStream(rb.iter_bytes(eb), eb.key)
-    remaining = ea.numel
-    while remaining:
-        n = min(block, remaining)
-        yield n, sa.take(n * ea.dtype.itemsize), sb.take(n * eb.dtype.itemsize)
-        remaining -= n
-    sa.finish()
-    sb.finish()
-
-
-class _ByteStream:
-    """Fixed-size takes from a stream of byte pieces (copies only when a take spans pieces)."""
-
-    def __init__(self, pieces: Iterator[memoryview], key: str) -> None:
-        self.pieces, self.key = pieces, key
-        self.piece: memoryview = memoryview(b"")
-        self.pos = 0
-
-    def _advance(self) -> None:
-        for piece in self.pieces:
-            if len(piece):
-                self.piece, self.pos = piece.cast("B") if piece.format != "B" else piece, 0
-                return
-        raise CorruptRecordError(f"{self.key!r}: records hold fewer bytes than the tensor needs")
-
-    def take(self, n: int) -> memoryview:
-        if self.pos == len(self.piece):
-            self.piece = memoryview(b"")  # drop the spent piece before reading the next
-            self._advance()
-        if len(self.piece) - self.pos >= n:
-            out = self.piece[self.pos : self.pos + n]
-            self.pos += n
-            return out
-        buf = bytearray(n)
-        filled = 0
-        while filled < n:
-            if self.pos == len(self.piece):
-                self.piece = memoryview(b"")
-                self._advance()
-            k = min(n - filled, len(self.piece) - self.pos)
-            buf[filled : filled + k] = self.piece[self.pos : self.pos + k]
-            filled += k
-            self.pos += k
-        return memoryview(buf)
-
-    def finish(self) -> None:
-        if self.pos != len(self.piece) or any(len(p) for p in self.pieces):
-            raise CorruptRecordError(f"{self.key!r}: records hold more bytes than the tensor needs")
-
-
-def _bytes_equal(a: memoryview, b: memoryview) -> bool:
-    if len(a) != len(b):
-        return False
-    word = np.uint64 if len(a) % 8 == 0 else np.uint8
-    return bool(np.array_equal(np.frombuffer(a, word), np.frombuffer(b, word)))
-
-
-_FP8_TABLES: dict[str, np.ndarray] = {}
-
-
-def as_float(buf: memoryview, dt: DType) -> np.ndarray:
-    """Elements of ``dt`` as float64 (complex128 for complex types), exactly."""
-    if dt.name == "bfloat16":
-        bits = np.frombuffer(buf, np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).astype(np.float64)
-    if dt.numpy is None:  # fp8: a 256-entry table made by torch once
-        table = _FP8_TABLES.get(dt.name)
-        if table is None:
-            import torch
-
-            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-            table = codes.view(dtypes.to_torch(dt)).to(torch.float64).numpy()
-            _FP8_TABLES[dt.name] = table
-        return table[np.frombuffer(buf, np.uint8)]
-    values = np.frombuffer(buf, dtypes.to_numpy(dt))
-    return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
 
 
 # -- objects ------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .catalog import Chunk
-from .diff import KeyMap, aligned_blocks, as_float, map_key
+from .diff import KeyMap, map_key
 from .errors import KeyNotFoundError, UsageError
 from .source import Source, open_source
 from .tables import human_bytes
+from .tensor_blocks import aligned_blocks, as_float
 
 if TYPE_CHECKING:
     import pandas as pd

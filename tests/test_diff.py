@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptkit
+from ckptkit import tensor_blocks
 from ckptkit.cli import main
 from ckptkit.examples import _spawn
 
@@ -178,7 +179,7 @@ def test_small_blocks_give_the_same_answer(ws2, mutant, monkeypatch):
     """Blocks of 7 elements: leading identical blocks of the perturbed tensor are re-read for
     its norm; every number equals the one-block result."""
     whole = ckptkit.diff(str(ws2.path), str(mutant), keys="model.*")
-    monkeypatch.setattr(DIFF, "BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(tensor_blocks, "BLOCK_ELEMENTS", 7)
     blocked = ckptkit.diff(str(ws2.path), str(mutant), keys="model.*")
     assert blocked["status"].tolist() == whole["status"].tolist()
     for column in ("max_abs", "mean_abs", "rel_l2", "cosine", "frac_outside"):
