@@ -56,7 +56,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     pointer = pointers.inside_checkpoint(storage)
     if pointer is not None:
         raise FormatError(pointer)
-    found = _first_detection(storage)
+    found = first_detection(storage)
     if found is not None:
         return found
     try:
@@ -65,7 +65,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
         if isinstance(exc.__cause__, AccessDeniedError):  # a store refusing everything (403)
             raise exc.__cause__ from None
         raise MissingFileError(f"{storage.describe()}: no such file or directory") from None
-    steps = pointers.checkpoints_below(storage, entries, _first_detection)
+    steps = pointers.checkpoints_below(storage, entries, first_detection)
     if steps:
         shown = ", ".join(steps[:8]) + (" …" if len(steps) > 8 else "")
         raise FormatError(
@@ -85,7 +85,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     )
 
 
-def _first_detection(storage: Storage) -> Detection | None:
+def first_detection(storage: Storage) -> Detection | None:
     """The first adapter's verdict on ``storage``, in :data:`ADAPTERS` order."""
     for adapter in ADAPTERS.values():
         found = adapter.detect(storage)

@@ -31,7 +31,7 @@ from ..records import ZipIndex, read_members, read_zip_indexes
 from ..storage import Storage
 from ..unpickler import OBJECT_GLOBALS, TensorRef, is_opaque, safe_loads
 from .detection import Detection, file_location
-from .parts.torch_save_files import _tensor_entry, directory_files, group_of, probe
+from .parts.torch_save_files import directory_files, group_of, probe, tensor_entry
 
 NAME = "torchscript"
 
@@ -385,7 +385,7 @@ def _entries(archive: _Archive, group: tuple[str, ...]) -> Iterator[Entry]:
     """The archive's parameters and buffers as tensor entries (RAW records over ``data/``)."""
     for inner, ref in _state_dict(archive):
         path = (*group, *inner)
-        yield _tensor_entry(".".join(path), path, ref, archive.index, archive.source)
+        yield tensor_entry(".".join(path), path, ref, archive.index, archive.source)
 
 
 def describe(storage: Storage, files: list[str] | None = None) -> Catalog:

@@ -181,7 +181,7 @@ def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) 
         path = (group, *inner)
         key = ".".join(map(str, path))
         if isinstance(leaf, TensorRef):
-            yield _tensor_entry(key, path, leaf, pickled.index, pickled.source)
+            yield tensor_entry(key, path, leaf, pickled.index, pickled.source)
         else:
             record = pickle_leaf(
                 pickled.file, pickled.offset, pickled.length, inner, crc32=pickled.crc32
@@ -217,7 +217,7 @@ def _walked(items: list | tuple) -> bool:
     )
 
 
-def _tensor_entry(
+def tensor_entry(
     key: str, path: tuple[str | int, ...], ref: TensorRef, index: StorageIndex, source: str
 ) -> Entry:
     """A tensor as one chunk whose RAW record covers exactly the bytes its view spans."""
