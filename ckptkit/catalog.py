@@ -180,6 +180,11 @@ class Facts:
     bookkeeping_keys: tuple[str, ...] = ()
     #: OLMo-core's completion marker ``.metadata.json``, parsed.
     olmo_core_metadata: Mapping[str, Any] | None = None
+    #: Groups that re-expose, in another shape, bytes other groups already hold (Megatron's
+    #: stacked layer tensors as stored, beside their per-layer keys). Listed and readable, but
+    #: left out of whole-checkpoint operations (unshard, convert, diff, stats) unless named in
+    #: ``groups=`` or matched by ``keys=``: otherwise every such tensor would be written twice.
+    alternate_groups: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -206,16 +211,19 @@ class Catalog:
     ) -> list[Entry]:
         """Entries whose dotted key matches any glob in ``keys`` and whose group is in ``groups``.
 
-        ``None`` selects everything; ``keys=["model.blocks.0.*", "optim.state.*.exp_avg"]``.
+        ``None`` selects everything but the :attr:`Facts.alternate_groups` (views of bytes other
+        entries hold); ``keys=["model.blocks.0.*", "optim.state.*.exp_avg"]``.
         """
         keys = [keys] if isinstance(keys, str) else keys
         groups = (
             {groups} if isinstance(groups, str) else set(groups) if groups is not None else None
         )
+        skipped = set(self.facts.alternate_groups) if keys is None and groups is None else set()
         return [
             e
             for e in self.entries.values()
             if (groups is None or e.group in groups)
+            and e.group not in skipped
             and (keys is None or any(fnmatch.fnmatchcase(e.key, pattern) for pattern in keys))
         ]
 

@@ -180,8 +180,11 @@ def map_key(key: str, key_map: KeyMap = None) -> str:
 def _mapped(ckpt: Source, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:
     """Mapped key → entry of the selected entries of ``ckpt``; two keys mapping to one refused."""
     patterns = [keys] if isinstance(keys, str) else keys
+    skipped = set(ckpt.catalog.facts.alternate_groups) if patterns is None else set()
     out: dict[str, Entry] = {}
     for entry in ckpt.catalog.entries.values():
+        if entry.group in skipped:  # views of bytes other keys hold: compared there
+            continue
         name = map_key(entry.key, key_map)
         if patterns is not None and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             continue

@@ -23,9 +23,9 @@ Keys. Stored DCP keys are Megatron's ShardedTensor keys; they are placed in grou
   layer;
 * ``stacked.<stored key>``: every stacked tensor exactly as stored, ``[L, …]``. These are the same
   bytes as the per-layer entries (no copy: the per-layer records point into the stored ones), so
-  an unshard of everything writes layer weights twice; leave them out with
-  ``exclude="stacked.*"`` (CLI ``--exclude 'stacked.*'``) or ``groups=[…]``, or take just them
-  with ``groups="stacked"``;
+  the group is an alternate view (``Facts.alternate_groups``): listed and readable, but left out
+  of unshard, convert, diff and stats unless asked for by name (``groups="stacked"``,
+  ``keys="stacked.*"``);
 * ``rng_state.<shard>`` and the other ShardedObjects (``key/shard_<offsets>_<shape>``, e.g.
   ``model.decoder.layers.self_attention.linear_proj._extra_state/shard_0_2``): objects, each the
   ``torch.save`` value Megatron wrote;
@@ -161,7 +161,10 @@ def describe(storage: Storage) -> Catalog:
     facts["metadata_files"] = (*facts["metadata_files"], *extra)
     return builder.build(
         Facts(
-            **facts, layout="Megatron-core torch_dist", world_size=max(ranks) + 1 if ranks else None
+            **facts,
+            layout="Megatron-core torch_dist",
+            world_size=max(ranks) + 1 if ranks else None,
+            alternate_groups=(STACKED_GROUP,),
         )
     )
 
