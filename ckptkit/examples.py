@@ -1,19 +1,22 @@
 """Write realistic sample checkpoints with torch's own distributed checkpoint (DCP) code.
 
 Used by the README demo, notebooks and the test-suite, so that ckptkit is always exercised
-on files that torch itself wrote. Importing this module imports torch.
+on files that torch itself wrote; :func:`sample_checkpoint` writes the notebooks' sample once
+and reuses it. Importing this module imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import math
 import os
 import pathlib
+import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -279,6 +282,132 @@ def write_sample(
         writer_kwargs,
         None if reference_path is None else str(reference_path),
     )
+    return path
+
+
+#: Environment variable naming the directory :func:`sample_checkpoint` keeps its samples in
+#: (a test session or CI sets it to a temporary directory it removes afterwards).
+SAMPLES_ENV = "CKPTKIT_SAMPLES"
+
+
+def samples_directory() -> pathlib.Path:
+    """Where :func:`sample_checkpoint` keeps samples: ``$CKPTKIT_SAMPLES`` if set, else a
+    per-user cache directory (``$XDG_CACHE_HOME/ckptkit/samples``, ``~/.cache/...``)."""
+    configured = os.environ.get(SAMPLES_ENV)
+    if configured:
+        return pathlib.Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(cache) / "ckptkit" / "samples"
+
+
+def sample_checkpoint(*, steps: int = 2, world_size: int = 2, seed: int = 0) -> pathlib.Path:
+    """The sample checkpoint (:func:`write_sample` with these settings), written once into
+    :func:`samples_directory` and reused by every later call, in any process.
+
+    Notebooks run on it when given no checkpoint of their own. Writers take a file lock, so two
+    processes never write the same sample at once; a sample is written in a scratch directory
+    and renamed into place when complete, so a half-written one is never returned. The full
+    state dict the training job held is saved next to it, as ``path.parent / "reference.pt"``.
+    """
+    root = samples_directory()
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"fsdp2-ws{world_size}-steps{steps}-seed{seed}-torch{torch.__version__}"
+    final = root / name
+    if not final.is_dir():
+        with _file_lock(root / f".{name}.lock"):
+            if not final.is_dir():  # another process may have written it while we waited
+                scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+                try:
+                    write_sample(
+                        scratch / "checkpoint",
+                        world_size=world_size,
+                        steps=steps,
+                        seed=seed,
+                        reference_path=scratch / "reference.pt",
+                    )
+                    os.rename(scratch, final)
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)  # gone already when renamed
+    return final / "checkpoint"
+
+
+def scratch_directory(prefix: str = "ckptkit-") -> pathlib.Path:
+    """A new empty directory for a notebook's outputs, inside :func:`samples_directory` when
+    ``$CKPTKIT_SAMPLES`` is set (so a test session removes it with the samples), else in the
+    system's temporary directory. The caller removes it when done."""
+    parent = os.environ.get(SAMPLES_ENV) or None
+    if parent is not None:
+        pathlib.Path(parent).mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
+@contextlib.contextmanager
+def sample_workspace() -> Iterator[pathlib.Path]:
+    """Point :func:`sample_checkpoint` (in this process and every process started inside the
+    block, e.g. notebook kernels) at a fresh temporary directory, removed on exit. When
+    ``$CKPTKIT_SAMPLES`` is already set, that directory is used and left alone."""
+    if os.environ.get(SAMPLES_ENV):
+        yield pathlib.Path(os.environ[SAMPLES_ENV])
+        return
+    workspace = pathlib.Path(tempfile.mkdtemp(prefix="ckptkit-samples-"))
+    os.environ[SAMPLES_ENV] = str(workspace)
+    try:
+        yield workspace
+    finally:
+        os.environ.pop(SAMPLES_ENV, None)
+        shutil.rmtree(workspace, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (``flock``) for the block; released when the
+    process dies, so a crashed writer never blocks the next one."""
+    import fcntl
+
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _train_and_save_steps(
+    rank: int, world_size: int, path: str, steps: list[int], seed: int
+) -> None:
+    """Rank body of `write_run`: one FSDP2 training job saving a DCP checkpoint per step."""
+    torch.manual_seed(seed)
+    model = _sharded_model(world_size, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=0.01)
+    losses: list[float] = []
+    for step in range(1, max(steps) + 1):
+        losses += _train(model, optimizer, rank, world_size, 1, seed * 100_000 + step)
+        if step not in steps:
+            continue
+        train = {"step": step, "losses": list(losses), "run_name": "run", "config": {"lr": LR}}
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd, "train": train},
+            storage_writer=FileSystemWriter(os.path.join(path, f"step{step}")),
+        )
+
+
+def write_run(
+    path: str | os.PathLike,
+    *,
+    steps: tuple[int, ...] | list[int] = (1, 2, 3),
+    world_size: int = 2,
+    seed: int = 0,
+) -> pathlib.Path:
+    """A run folder as a training job leaves it: TinyLM trained with AdamW under FSDP2 on
+    gloo/CPU at `world_size` ranks, saved with DCP into `path/step{N}` at each of `steps`
+    (a new batch every step, so weights and optimizer moments move between checkpoints)."""
+    wanted = sorted(set(steps))
+    if not wanted or wanted[0] < 1:
+        raise ValueError(f"steps must be positive step numbers, got {steps!r}")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _spawn(_train_and_save_steps, world_size, str(path), wanted, seed)
     return path
 
 

@@ -1,0 +1,424 @@
+"""The notebooks as tutorials on real checkpoints, and the facts about the sample they show.
+
+Every notebook runs (papermill, in a fresh kernel, from an unrelated working directory) on the
+sample and on two other real checkpoints: a DCP written by torch in this session (DTensors
+sharded along columns, no optimizer) and an OLMo checkpoint from tests/fixtures. Each run must
+complete and its outputs must name the checkpoint's own keys, never the sample's. The
+assertions the notebooks used to make about the sample live below, on the same sample.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptkit
+from ckptkit import plots
+from ckptkit.examples import sample_checkpoint, sample_workspace
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+FIXTURES = Path(__file__).parent / "fixtures"
+OLMO = FIXTURES / "olmo_torch_new_ws2" / "step3"
+OLMO_LEGACY = FIXTURES / "olmo_torch_legacy_ws2" / "step3"
+#: Keys only the sample has: a run on another checkpoint must not mention them.
+SAMPLE_ONLY = ("model.odd", "adapter.up", "blocks.1.fc1")
+
+
+@pytest.fixture(scope="session")
+def samples() -> Iterator[Path]:
+    """One sample workspace for the session (shared with the nbval run of notebooks/ when both
+    run together), removed at the end; notebook kernels inherit it."""
+    with sample_workspace() as workspace:
+        yield workspace
+
+
+@pytest.fixture(scope="session")
+def sample(samples) -> Path:
+    return sample_checkpoint()
+
+
+def run(name: str, cwd: Path, **parameters) -> str:
+    """Execute notebook ``name`` with papermill parameters; the text of all its outputs."""
+    import papermill
+
+    out = cwd / f"{name}.out.ipynb"
+    papermill.execute_notebook(
+        str(NOTEBOOKS / f"{name}.ipynb"),
+        str(out),
+        parameters={k: str(v) if isinstance(v, Path) else v for k, v in parameters.items()},
+        kernel_name="python3",
+        cwd=str(cwd),
+        progress_bar=False,
+        execution_timeout=600,
+    )
+    texts = []
+    for cell in json.loads(out.read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            texts.append("".join(output.get("text", "")))
+            texts.append("".join(output.get("data", {}).get("text/plain", "")))
+    return "\n".join(texts)
+
+
+def largest(ckpt: ckptkit.Checkpoint, *, by_chunks: bool = False) -> str:
+    """The key a notebook picks: the largest tensor (stored in the most pieces, if asked)."""
+    if by_chunks:
+        return ckpt.tensors.sort_values(["n_chunks", "nbytes"], ascending=False)["key"].iloc[0]
+    return ckpt.tensors.nlargest(1, "nbytes")["key"].iloc[0]
+
+
+# -- every notebook on real checkpoints ---------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def column_sharded(written) -> Path:
+    """A DCP written by torch's own dcp.save from 2 ranks: DTensors sharded along columns."""
+    return written("column_sharded").path
+
+
+# The sample runs repeat what nbval runs in CI (`pytest tests notebooks --nbval-lax`): slow.
+@pytest.fixture(params=[pytest.param("sample", marks=pytest.mark.slow), "dcp", "olmo"])
+def target(request, samples) -> tuple[str, Path | None]:
+    """(label, checkpoint path); the sample is None: the notebook's own default."""
+    if request.param == "sample":
+        return "sample", None
+    if request.param == "dcp":
+        return "dcp", request.getfixturevalue("column_sharded")
+    return "olmo", OLMO
+
+
+def _check_keys(text: str, label: str, expected: str) -> None:
+    assert expected in text, f"{label}: {expected!r} is not in the notebook's outputs"
+    if label != "sample":
+        leaked = [key for key in SAMPLE_ONLY if key in text]
+        assert not leaked, f"{label}: the outputs mention the sample's keys {leaked}"
+
+
+def _open(path: Path | None) -> ckptkit.Checkpoint:
+    return ckptkit.open(str(path or sample_checkpoint()))
+
+
+def test_01_inspect(target, tmp_path):
+    label, path = target
+    text = run("01_inspect", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    _check_keys(text, label, largest(ckpt, by_chunks=True))
+    assert f"{ckpt.format} checkpoint" in text  # inspect_text's first line
+
+
+def test_02_compare_sizes(target, tmp_path):
+    label, path = target
+    text = run("02_compare_sizes", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    total = int(ckpt.tensors["nbytes"].sum())
+    assert re.search(rf"\b{total}\b", text), f"{label}: tensor bytes {total} not shown"
+    assert "equal" in text and "different" not in text  # the copies hold the same values
+
+
+def test_03_diff_tensors(target, tmp_path):
+    label, path = target
+    if label == "olmo":  # two checkpoints: the same step saved by two checkpointers
+        text = run("03_diff_tensors", tmp_path, checkpoint=OLMO_LEGACY, other=path)
+    else:  # the sample's two steps, or the checkpoint against its own copy
+        text = run("03_diff_tensors", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    real = set(ckpt.tensors["key"])
+    shown = {key for key in real if key in text}
+    assert len(shown) >= min(5, len(real)), f"{label}: outputs name {sorted(shown)}"
+    _check_keys(text, label, sorted(shown)[0])
+
+
+def test_04_convert_and_unshard(target, tmp_path):
+    label, path = target
+    text = run("04_convert_and_unshard", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    groups = list(ckpt.tensors["group"].unique())
+    group = "model" if "model" in groups else groups[0]
+    n = int((ckpt.tensors["group"] == group).sum())
+    assert f"{group}.pt: {n} tensors, {n} equal to ckpt.read" in text
+    assert f"{n} of {n} tensors come back equal through DCP" in text
+
+
+def test_05_remote_s3(target, tmp_path, s3):
+    label, path = target
+    text = run("05_remote_s3", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    _check_keys(text, label, largest(ckpt))
+    files = re.search(r"(\d+) of (\d+) files identical", text)
+    assert files and files[1] == files[2], f"{label}: unshard from S3 differs from local"
+
+
+def test_06_browse(target, tmp_path):
+    label, path = target
+    text = run("06_browse", tmp_path, checkpoint=path)
+    ckpt = _open(path)
+    _check_keys(text, label, largest(ckpt, by_chunks=True))
+    assert "different" in text and "equal" in text
+
+
+def test_07_audit(target, tmp_path):
+    label, path = target
+    text = run("07_audit", tmp_path, checkpoint=path)
+    assert "no problems found" in text
+    assert "truncated" in text and "TruncatedFileError" in text
+    ckpt = _open(path)
+    flipped = re.search(r"flipped a bit of (\S+) in", text)
+    assert flipped and flipped[1] in set(ckpt.tensors["key"])
+    _check_keys(text, label, flipped[1])
+
+
+def test_08_layouts(target, tmp_path):
+    label, path = target
+    if label == "sample":  # the notebook's own pair: OLMo's legacy and torch_new checkpoints
+        text = run("08_olmo_layouts", tmp_path)
+        path, second = OLMO_LEGACY, OLMO
+    else:  # the checkpoint and its own unsharded copy
+        second = tmp_path / "unsharded"
+        ckptkit.unshard(str(path), str(second), progress=False)
+        text = run("08_olmo_layouts", tmp_path, first=path, second=second)
+    first = ckptkit.open(str(path))
+    common = first.tensors.merge(_open(second).tensors[["key"]], on="key")
+    _check_keys(text, "olmo" if label == "sample" else label, largest_common(common))
+    statuses = re.search(r"status\n((?:\w+\s+\d+\n?)+)", text)
+    assert statuses and set(re.findall(r"(\w+)\s+\d+", statuses[1])) == {"equal"}
+
+
+def largest_common(common) -> str:
+    return common.nlargest(1, "nbytes")["key"].iloc[0]
+
+
+def test_notebooks_take_parameters_and_leave_nothing_behind():
+    """Each notebook has a papermill `parameters` cell, and removes what it wrote."""
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        tagged = [c for c in cells if "parameters" in c["metadata"].get("tags", [])]
+        assert len(tagged) == 1, path.name
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        assert "mkdtemp" not in source and "ckptkit.cli" not in source, path.name
+        assert "ckptkit.storage" not in source and "ckptkit.records" not in source, path.name
+        if "scratch_directory(" in source:
+            assert "shutil.rmtree(workdir" in source, path.name
+
+
+# -- the sample, as the notebooks describe it -----------------------------------------------
+
+
+def test_sample_is_written_once_and_reused(samples, sample):
+    assert sample.parent.parent == samples and (sample / ".metadata").is_file()
+    again = sample_checkpoint()
+    assert (
+        again == sample
+        and (sample / ".metadata").stat().st_mtime_ns == (again / ".metadata").stat().st_mtime_ns
+    )
+    assert not [p for p in samples.iterdir() if p.name.startswith(".fsdp2-") and p.is_dir()]
+
+
+def test_concurrent_callers_write_a_sample_once_and_never_see_half_of_one(tmp_path, monkeypatch):
+    """Two kernels asking at once: one writes (under the lock), the other waits and reuses it;
+    a writer that fails leaves nothing a later call would take for a sample."""
+    import threading
+    import time
+
+    from ckptkit import examples
+
+    calls = []
+
+    def slow_writer(path, **kwargs):
+        calls.append(path)
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"x")
+        time.sleep(0.5)
+        (path / ".metadata").write_bytes(b"y")
+        return path
+
+    monkeypatch.setenv(examples.SAMPLES_ENV, str(tmp_path))
+    monkeypatch.setattr(examples, "write_sample", slow_writer)
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(sample_checkpoint(steps=7)))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and results[0] == results[1]
+    assert (results[0] / ".metadata").is_file()
+
+    def failing_writer(path, **kwargs):
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"half")
+        raise RuntimeError("rank died")
+
+    monkeypatch.setattr(examples, "write_sample", failing_writer)
+    with pytest.raises(RuntimeError, match="rank died"):
+        sample_checkpoint(steps=8)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [results[0].parent.name]
+
+
+def test_sample_inspect(sample):
+    """01: the awkward cases the sample covers, and reads equal the state the job held."""
+    ckpt = ckptkit.open(str(sample))
+    tensors = ckpt.tensors.set_index("key")
+    assert tensors.loc["model.odd", "shape"] == (37, 19)
+    assert tensors.loc["model.adapter.down.weight", "dtype"] == "bfloat16"
+    assert set(tensors["group"]) == {"model", "optim"}
+    odd = ckpt.chunks[ckpt.chunks["key"] == "model.odd"]
+    assert odd["sizes"].tolist() == [(19, 19), (18, 19)] and odd["rank"].tolist() == [0, 1]
+    assert ckpt.files["size"].sum() == sum(p.stat().st_size for p in sample.glob("*.distcp"))
+    assert ckpt.read_object("train.step") == 2 and ckpt.read_object("train.run_name") == "sample"
+    summary = ckpt.summary()
+    assert summary.parameters == tensors.loc[tensors["group"] == "model", "numel"].sum()
+    full = torch.load(sample.parent / "reference.pt", weights_only=True)
+    assert torch.equal(ckpt.read("model.odd"), full["model"]["odd"])
+    up = ckpt.read("model.adapter.up.weight")
+    assert up.dtype == torch.bfloat16 and torch.equal(up, full["model"]["adapter.up.weight"])
+    text = ckptkit.inspect_text(ckpt, top=5)
+    assert text.startswith(f"dcp checkpoint {sample}\n  {len(tensors)} tensors, 19 objects")
+    assert ".qkv.weight" in text  # the largest tensors: 144 x 48
+
+
+def test_sample_sizes(samples, sample, tmp_path):
+    """02: more ranks, more records and framing; unsharded files carry less; weights only."""
+    ws4 = sample_checkpoint(world_size=4)
+    ckptkit.unshard(str(sample), str(tmp_path / "pt"), progress=False)
+    ckptkit.unshard(str(sample), str(tmp_path / "st"), to="safetensors", progress=False)
+    ckptkit.convert(str(sample), str(tmp_path / "model"), groups="model", progress=False)
+    labels = ["ws2", "ws4", "pt", "st", "model"]
+    paths = [sample, ws4, tmp_path / "pt", tmp_path / "st", tmp_path / "model"]
+    sizes = ckptkit.compare_sizes(*map(str, paths), labels=labels)
+    full = sizes.drop(index="model")
+    assert full["tensor_bytes"].nunique() == 1 and full["model"].nunique() == 1
+    overhead = sizes["overhead_bytes"] + sizes["metadata_bytes"]
+    assert overhead["st"] < overhead["pt"] < overhead["ws2"] < overhead["ws4"]
+    assert sizes.loc["ws2", "records"] < sizes.loc["ws4", "records"]
+    only = sizes.loc["model"]
+    assert only["tensor_bytes"] == only["model"] == sizes.loc["ws2", "model"]
+    assert only["optimizer"] == only["trainer"] == 0
+    text = ckptkit.sizes_text(sizes)
+    assert "ws4" in text and "x" in text
+
+
+def test_sample_diff(samples, sample, tmp_path):
+    """03: one more AdamW step moves every weight, leaves buffers alone, and `odd` learns
+    nothing (its gradient is ~0 through the final LayerNorm)."""
+    step1 = sample_checkpoint(steps=1)
+    d = ckptkit.diff(str(step1), str(sample))
+    rows = d.set_index("key")
+    assert rows.loc["model.temperature", "status"] == "equal"
+    assert rows.loc["model.position_ids", "status"] == "equal"
+    assert rows.loc["model.num_updates", "status"] == "different"
+    assert rows.loc["model.num_updates", "max_abs"] == 1
+    model = d[d["key"].str.startswith("model.")]
+    weights = model[model["shape"].map(len) >= 2]
+    assert set(weights["status"]) == {"different"}
+    by_layer = plots.diff_by_layer(weights)
+    assert by_layer.idxmax() == "embed"
+    assert by_layer["odd"] < 1e-3 < by_layer.drop("odd").min()
+    assert rows.loc["model.odd", "max_abs"] < 1e-5 < rows.loc["model.embed.weight", "max_abs"]
+    changed = d[d["status"] == "object_changed"].set_index("key")["note"]
+    assert changed["train.step"] == "1 → 2"
+    ckptkit.unshard(str(sample), str(tmp_path / "st"), to="safetensors", progress=False)
+    check = ckptkit.diff(str(sample), str(tmp_path / "st"))
+    assert set(check["status"]) == {"equal"} and len(check) == len(ckptkit.open(str(sample)))
+    text = ckptkit.diff_text(d)
+    assert "DIFFERENT" in text and "model.embed.weight" in text
+
+
+def test_sample_convert(sample, tmp_path):
+    """04: output files per group, and models loaded from them compute the same logits."""
+    from safetensors.torch import load_file
+
+    from ckptkit.examples import BATCH, SEQ_LEN, VOCAB, TinyLM
+
+    full = torch.load(sample.parent / "reference.pt", weights_only=False)
+    st = ckptkit.unshard(str(sample), str(tmp_path / "st"), to="safetensors", progress=False)
+    assert st.to_frame()["name"].tolist() == [
+        "model.safetensors",
+        "optim.safetensors",
+        "optim.objects.pt",
+        "train.objects.pt",
+    ]
+    pt = ckptkit.unshard(str(sample), str(tmp_path / "pt"), progress=False)
+    assert pt.to_frame()["name"].tolist() == ["model.pt", "optim.pt", "train.pt"]
+    tokens = torch.randint(VOCAB, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    reference = TinyLM()
+    reference.load_state_dict(full["model"])
+    loaded = TinyLM()
+    loaded.load_state_dict(load_file(tmp_path / "st" / "model.safetensors"), strict=True)
+    streamed = TinyLM()
+    result = ckptkit.from_checkpoint(streamed, str(sample))
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    with torch.no_grad():
+        expected = reference(tokens)
+        assert torch.equal(loaded(tokens), expected) and torch.equal(streamed(tokens), expected)
+    train = torch.load(tmp_path / "pt" / "train.pt", weights_only=True)
+    assert train == full["train"]
+
+
+def test_sample_browse(sample, tmp_path):
+    """06: filters read nothing; a copy whose adapter was nudged differs there only."""
+    from safetensors.torch import save_file
+
+    ckpt = ckptkit.open(str(sample))
+    ui = ckptkit.browse(ckpt)
+    fc1 = ui.set_filter(r"blocks\.\d+\.fc1\.weight$", mode="regex")
+    assert fc1 == ["model.blocks.0.fc1.weight", "model.blocks.1.fc1.weight"]
+    assert ui.reads == []
+    model_keys = ckpt.tensors.loc[ckpt.tensors["group"] == "model", "key"]
+    weights = {key.removeprefix("model."): ckpt.read(key) for key in model_keys}
+    weights["adapter.up.weight"] = (weights["adapter.up.weight"].float() + 0.01).bfloat16()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    compare = ckptkit.browse(ckpt, compare_to=str(tmp_path / "model.safetensors"))
+    compare.set_filter("")
+    compare.select("model.adapter.up.weight")
+    assert compare.diff["status"] == "different" and 0 < compare.diff["rel_l2"] < 1
+    compare.select("model.odd")
+    assert compare.diff["status"] == "equal"
+    compare.select("optim.state.odd.exp_avg")
+    assert compare.diff["status"] == "only_a"
+
+
+def test_sample_audit(sample, tmp_path):
+    """07: the damage the notebook does (half of the largest file cut, one bit flipped in the
+    largest record of another) is found, each problem naming its file and key."""
+    ckpt = ckptkit.open(str(sample))
+    bad = tmp_path / "bad"
+    shutil.copytree(sample, bad)
+    truncated = ckpt.files.nlargest(1, "size")["file"].iloc[0]
+    half = (bad / truncated).stat().st_size // 2
+    with open(bad / truncated, "r+b") as f:
+        f.truncate(half)
+    records = ckpt.chunks[ckpt.chunks["file"] != truncated]
+    flipped = records.nlargest(1, "length").iloc[0]
+    data = bytearray((bad / flipped["file"]).read_bytes())
+    data[int(flipped["offset"]) + int(flipped["length"]) // 2] ^= 0x40
+    (bad / flipped["file"]).write_bytes(data)
+
+    problems = ckptkit.verify(str(bad))
+    assert set(problems["problem"]) == {"truncated", "checksum"}
+    assert set(problems.loc[problems["problem"] == "truncated", "file"]) == {truncated}
+    assert list(problems.loc[problems["problem"] == "checksum", "key"]) == [flipped["key"]]
+    damaged = ckptkit.open(str(bad))
+    with pytest.raises(ckptkit.ChecksumError, match=re.escape(flipped["key"])):
+        damaged.read(flipped["key"])
+    truncated_key = problems.loc[problems["problem"] == "truncated", "key"].iloc[0]
+    with pytest.raises(ckptkit.TruncatedFileError, match=re.escape(truncated)):
+        damaged.read(truncated_key)
+
+
+def test_olmo_layouts_hold_the_same_state():
+    """08: OLMo's legacy and torch_new checkpointers saved the same step identically."""
+    legacy, new = ckptkit.open(str(OLMO_LEGACY)), ckptkit.open(str(OLMO))
+    assert (legacy.format, new.format) == ("rank_files", "olmo_dcp")
+    assert legacy.summary().by_group.loc["model", "tensors"] == 29
+    assert new.summary().by_group.loc["model", "tensors"] == 29
+    assert legacy.read_object("train.global_step") == new.read_object("train.global_step") == 3
+    assert new.config["sharded_checkpointer"] == "torch_new"
+    report = ckptkit.diff(legacy, new, keys=["model.*", "optim.state.*"])
+    assert (report["status"] == "equal").all() and len(report) == 116
