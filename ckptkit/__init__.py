@@ -20,8 +20,10 @@ from .errors import (
     FormatError,
     KeyNotFoundError,
     LimitExceededError,
+    LocationNotFoundError,
     MismatchError,
     MissingFileError,
+    NotACheckpointError,
     OutputExistsError,
     OutputNameError,
     PickleLimitError,
@@ -32,8 +34,11 @@ from .errors import (
     UsageError,
 )
 from .formats import Detection
+from .reports import diff_text, inspect_text, sizes_text
+from .runs import Run, run
 from .sizes import compare_sizes
 from .state_dict import LoadResult, from_checkpoint, load_state_dict
+from .stats import fingerprint, stats
 from .verify import verify
 
 if TYPE_CHECKING:
@@ -76,20 +81,29 @@ __all__ = [
     "FormatError",
     "KeyNotFoundError",
     "MissingFileError",
+    "NotACheckpointError",
+    "LocationNotFoundError",
     "StorageError",
     "LoadResult",
     "UnsafePathError",
     "UnsafePickleError",
     "UsageError",
     "UnshardResult",
+    "Run",
     "browse",
     "compare_sizes",
     "convert",
     "detect",
     "diff",
+    "diff_text",
     "from_checkpoint",
+    "inspect_text",
+    "fingerprint",
     "load_state_dict",
     "open",
+    "run",
+    "sizes_text",
+    "stats",
     "unshard",
     "verify",
 ]

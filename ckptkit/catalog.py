@@ -227,6 +227,24 @@ class Catalog:
             and (keys is None or any(fnmatch.fnmatchcase(e.key, pattern) for pattern in keys))
         ]
 
+    def hint(
+        self, keys: Sequence[str] | str | None = None, groups: Sequence[str] | str | None = None
+    ) -> str:
+        """For an error when ``keys`` / ``groups`` name nothing here: the groups there are
+        and, per key pattern, the closest keys (``difflib``), e.g. ``groups: model, optim;
+        did you mean 'model.embed.weight'?``."""
+        import difflib
+
+        listed = list(dict.fromkeys(e.group for e in self.entries.values()))
+        parts = [f"groups: {', '.join(listed[:20])}" + (" …" if len(listed) > 20 else "")]
+        close: list[str] = []
+        for pattern in [keys] if isinstance(keys, str) else list(keys or ()):
+            literal = pattern.replace("*", "").replace("?", "")
+            close += difflib.get_close_matches(literal, list(self.entries), n=3, cutoff=0.6)
+        if close:
+            parts.append("did you mean " + ", ".join(repr(k) for k in dict.fromkeys(close)) + "?")
+        return "; ".join(parts)
+
 
 class CatalogBuilder:
     """The one place a catalog is assembled: adapters add entries (and data files no record

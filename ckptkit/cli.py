@@ -1,6 +1,9 @@
-"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``, ``diff``, ``sizes``.
+"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``, ``diff``, ``verify``,
+``sizes``, ``stats``.
 
-Errors print one line on stderr and exit with status 2; ``inspect --json`` imports neither torch
+Exit status: 0 done (and, for ``diff`` / ``verify``, nothing found), 1 differences or damage
+found, 2 a usage error or something that is not a checkpoint (one line on stderr), 130
+interrupted. Progress bars appear only on a terminal. ``inspect --json`` imports neither torch
 nor pandas, so it starts fast.
 """
 
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -15,8 +19,11 @@ from . import __version__
 from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
 from .errors import CheckpointError, UsageError
+from .reports import DIFF_LIST_CAP, diff_text, inspect_text, sizes_text
 
+EXIT_FOUND = 1  # diff found differences, verify found damage
 EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 #: Characters a checkpoint's names may hold that a terminal would act on (C0/C1 controls but
@@ -55,55 +62,238 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _PrintableStream(stdout)
     try:
-        return args.run(args)
-    except BrokenPipeError:  # e.g. `ckptkit inspect … | head`
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:  # e.g. `ckptkit inspect … | head`: the reader has what it wanted
+        _silence_stdout()
         return 0
+    except KeyboardInterrupt:  # outputs are staged: nothing half-written is left behind
+        print("ckptkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"ckptkit: error: {printable(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("ckptkit: interrupted", file=sys.stderr)
-        return 130
+    except Exception as exc:  # a storage backend's own errors (botocore credentials, HTTP)
+        if os.environ.get("CKPTKIT_DEBUG"):
+            raise
+        print(f"ckptkit: error: {type(exc).__name__}: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
     finally:
         sys.stdout = stdout
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.__stdout__.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (tests)
+        pass
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ckptkit", description="Inspect PyTorch checkpoints safely."
+        prog="ckptkit",
+        description="Inspect, unshard, convert, compare and verify PyTorch checkpoints, safely.",
+        epilog="exit status: 0 ok, 1 differences or damage found, 2 usage error or not a "
+        "checkpoint, 130 interrupted. `ckptkit COMMAND --help` shows examples.",
     )
     parser.add_argument("--version", action="version", version=f"ckptkit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_inspect, _add_unshard, _add_convert, _add_diff, _add_sizes, _add_verify):
+    for add in (
+        _add_inspect,
+        _add_unshard,
+        _add_convert,
+        _add_diff,
+        _add_sizes,
+        _add_verify,
+        _add_stats,
+    ):
         add(commands)
     return parser
 
 
+def _command(commands, name: str, help: str, examples: str) -> argparse.ArgumentParser:
+    """A sub-command with its examples under ``--help``."""
+    return commands.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog="examples:\n" + examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) and ``--anon``, passed to fsspec."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec storage option (repeatable), e.g. endpoint_url=http://localhost:9000 "
+        "or profile=research; VALUE is read as JSON when it parses (true, 3), else as text",
+    )
+    parser.add_argument(
+        "--anon", action="store_true", help="anonymous access (public buckets), as anon=true"
+    )
+
+
+def _storage_options(args: argparse.Namespace) -> dict | None:
+    """The fsspec options of ``--storage-option`` / ``--anon`` (None when there are none)."""
+    options: dict = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    if args.anon:
+        options["anon"] = True
+    return options or None
+
+
+def _add_progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--quiet``: a progress bar on stderr; by default only on a terminal."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress", action="store_true", default=None, help="show a progress bar, always"
+    )
+    group.add_argument(
+        "--quiet", dest="progress", action="store_false", help="no progress bar, ever"
+    )
+
+
+def _progress(args: argparse.Namespace, *, machine_output: bool = False) -> bool:
+    """Whether to draw a progress bar: as asked, else only when stderr is a terminal and the
+    output is for people."""
+    if args.progress is not None:
+        return args.progress
+    return not machine_output and sys.stderr.isatty()
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser, *, exclude: bool) -> None:
+    """Repeatable ``--keys`` / ``--groups`` (and ``--exclude``): one value per flag, so they
+    never swallow the positional arguments."""
+    parser.add_argument(
+        "--keys", action="append", metavar="GLOB", help="only keys matching GLOB (repeatable)"
+    )
+    parser.add_argument(
+        "--groups",
+        action="append",
+        metavar="GROUP",
+        help="only this group, e.g. model (repeatable)",
+    )
+    if exclude:
+        parser.add_argument(
+            "--exclude",
+            action="append",
+            metavar="GLOB",
+            help="leave out keys matching GLOB (repeatable), e.g. 'optim.*'",
+        )
+
+
+#: Short dtype names people type, and the names ckptkit (and torch) use.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}  # fmt: skip
+
+
+def _dtype_name(text: str) -> str:
+    """``--dtype``: a floating dtype name or alias; the valid ones listed when it is neither."""
+    from .dtypes import BY_NAME
+
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    dt = BY_NAME.get(name)
+    if dt is None or not dt.is_floating:
+        valid = sorted(n for n, d in BY_NAME.items() if d.is_floating)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a floating dtype; valid: {', '.join(valid)} "
+            f"(or {', '.join(sorted(DTYPE_ALIASES))})"
+        )
+    return name
+
+
+#: ``--max-shard-size`` without a unit is bytes; smaller than this it is surely a mistake.
+MIN_SHARD_BYTES = 1 << 20
+
+
+def _shard_size(text: str) -> int:
+    """``--max-shard-size``: ``5GB``, ``500MiB``…; a bare number under 1 MiB is refused (``5``
+    meant 5 GB, not 5 bytes and thousands of files)."""
+    from .convert import parse_size
+
+    try:
+        size = parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_SHARD_BYTES and text.strip().isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size} bytes; give a unit, e.g. {text.strip()}GB or {text.strip()}MiB"
+        )
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
+
+
 def _add_inspect(commands) -> None:
-    inspect = commands.add_parser("inspect", help="summarise a checkpoint without loading tensors")
+    inspect = _command(
+        commands,
+        "inspect",
+        "summarise a checkpoint without loading tensors or running its pickles",
+        "  ckptkit inspect run/step3\n"
+        "  ckptkit inspect s3://bucket/run/step3 --anon --top 20\n"
+        "  ckptkit inspect model.safetensors --json | jq .summary",
+    )
     inspect.add_argument("path", help="checkpoint directory or fsspec URL (s3://…)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
-        "--top", type=int, default=10, metavar="N", help="largest tensors to list (default 10)"
+        "--top",
+        type=int,
+        metavar="N",
+        help="largest tensors to list (default: 10; with --json, every tensor)",
     )
+    _add_remote_arguments(inspect)
     inspect.set_defaults(run=_inspect)
 
 
 def _add_unshard(commands) -> None:
-    unshard = commands.add_parser(
-        "unshard", help="write one unsharded file per group (model, optim, …)"
+    unshard = _command(
+        commands,
+        "unshard",
+        "write one unsharded file per group (model, optim, …), streaming in bounded memory",
+        "  ckptkit unshard run/step3 out/\n"
+        "  ckptkit unshard --groups model run/step3 out/ --to safetensors --max-shard-size 5GB\n"
+        "  ckptkit unshard run/step3 out/ --exclude 'optim.*' --dtype bf16",
     )
     _add_transfer_arguments(unshard)
     unshard.add_argument(
         "--to", choices=["torch", "safetensors"], default="torch", help="output format"
     )
-    unshard.add_argument("--dtype", help="cast floating tensors, e.g. bfloat16")
-    unshard.add_argument("--max-shard-size", help="split safetensors output, e.g. 5GB")
+    unshard.add_argument(
+        "--dtype",
+        type=_dtype_name,
+        help="cast floating tensors: bfloat16 (bf16), float16 (fp16, half), float32 (fp32)…",
+    )
+    unshard.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        metavar="SIZE",
+        help="split safetensors output into shards of at most SIZE, with a unit: 5GB, 500MiB",
+    )
     unshard.set_defaults(run=_unshard)
 
 
 def _add_convert(commands) -> None:
-    convert = commands.add_parser("convert", help="rewrite a checkpoint as DCP (or unshard it)")
+    convert = _command(
+        commands,
+        "convert",
+        "rewrite a checkpoint as DCP (or unshard it)",
+        "  ckptkit convert run/step3 slim/ --to dcp --groups model   # drop the optimizer\n"
+        "  ckptkit convert model.safetensors dcp_out/ --to dcp",
+    )
     _add_transfer_arguments(convert)
     convert.add_argument(
         "--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format"
@@ -112,13 +302,19 @@ def _add_convert(commands) -> None:
 
 
 def _add_diff(commands) -> None:
-    diff = commands.add_parser(
+    diff = _command(
+        commands,
         "diff",
-        help="compare two checkpoints key by key (exit 0: equal within tolerance, 1: different)",
+        "compare two checkpoints key by key (exit 0: equal within tolerance, 1: different)",
+        "  ckptkit diff run/step1 run/step3\n"
+        "  ckptkit diff run/step3 out/ --keys 'model.*' --json\n"
+        "  ckptkit diff hf/ out/ --key-map pytorch_model.=model. --rtol 1e-2   # bf16 vs fp32",
     )
     diff.add_argument("a", help="checkpoint path or fsspec URL")
     diff.add_argument("b", help="checkpoint path or fsspec URL")
-    diff.add_argument("--keys", nargs="+", metavar="GLOB", help="only keys matching these globs")
+    diff.add_argument(
+        "--keys", action="append", metavar="GLOB", help="only keys matching GLOB (repeatable)"
+    )
     diff.add_argument(
         "--rtol",
         type=float,
@@ -129,9 +325,10 @@ def _add_diff(commands) -> None:
     diff.add_argument("--atol", type=float, default=0.0, help="absolute tolerance added (0)")
     diff.add_argument(
         "--key-map",
-        nargs="+",
+        action="append",
         metavar="OLD=NEW",
-        help="rename key prefixes on both sides before matching, e.g. pytorch_model.=model.",
+        help="rename a key prefix on both sides before matching (repeatable), e.g. "
+        "pytorch_model.=model.",
     )
     diff.add_argument(
         "--all",
@@ -139,49 +336,60 @@ def _add_diff(commands) -> None:
         help=f"list every key (default: keys that are not equal, {DIFF_LIST_CAP} per status)",
     )
     diff.add_argument("--json", action="store_true", help="machine-readable output")
-    diff.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_progress_arguments(diff)
+    _add_remote_arguments(diff)
     diff.set_defaults(run=_diff)
 
 
 def _add_sizes(commands) -> None:
-    sizes = commands.add_parser("sizes", help="bytes on disk of checkpoints side by side")
+    sizes = _command(
+        commands,
+        "sizes",
+        "bytes on disk of checkpoints side by side, by group, dtype and overhead",
+        "  ckptkit sizes run/step3 out_torch/ out_safetensors/\n"
+        "  ckptkit sizes a/ b/ --labels dcp --labels safetensors --json",
+    )
     sizes.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint paths or URLs")
-    sizes.add_argument("--labels", nargs="+", metavar="LABEL", help="row names (default: paths)")
+    sizes.add_argument(
+        "--labels", action="append", metavar="LABEL", help="row name (repeatable; default: paths)"
+    )
     sizes.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_remote_arguments(sizes)
     sizes.set_defaults(run=_sizes)
 
 
 def _add_verify(commands) -> None:
-    verify = commands.add_parser(
+    verify = _command(
+        commands,
         "verify",
-        help="read everything and report damage (exit 0: sound, 1: problems found)",
+        "read everything and report damage (exit 0: sound, 1: damage found, 2: not a checkpoint)",
+        "  ckptkit verify run/step3\n  ckptkit verify s3://bucket/run/step3 --json",
     )
     verify.add_argument("path", help="checkpoint path or fsspec URL")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
-    verify.add_argument("--no-crc", dest="crc", action="store_false", help="skip CRC-32 checks")
+    verify.add_argument(
+        "--no-verify-crc",
+        "--no-crc",  # its earlier name
+        dest="crc",
+        action="store_false",
+        help="skip CRC-32 checks (faster; sizes and structure are still checked)",
+    )
+    _add_remote_arguments(verify)
     verify.set_defaults(run=_verify)
 
 
 def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="checkpoint path or fsspec URL")
     parser.add_argument("dst", help="output directory (path or fsspec URL)")
-    parser.add_argument("--keys", nargs="+", metavar="GLOB", help="only keys matching these globs")
-    parser.add_argument(
-        "--groups", nargs="+", metavar="GROUP", help="only these groups, e.g. model"
-    )
+    _add_selection_arguments(parser, exclude=True)
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_progress_arguments(parser)
+    _add_remote_arguments(parser)
     parser.add_argument(
         "--no-verify-crc",
         dest="verify_crc",
         action="store_false",
         help="skip checking what is read against the stored CRC-32 (faster)",
-    )
-    parser.add_argument(
-        "--exclude",
-        action="append",
-        metavar="GLOB",
-        help="leave out keys matching this glob (repeatable), e.g. 'optim.*'",
     )
     parser.add_argument(
         "--objects",
@@ -194,7 +402,9 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _source(args: argparse.Namespace):
     """The source checkpoint, opened with the CRC setting of ``--no-verify-crc``."""
-    return open_checkpoint(args.src, verify_crc=args.verify_crc)
+    return open_checkpoint(
+        args.src, verify_crc=args.verify_crc, storage_options=_storage_options(args)
+    )
 
 
 def _unshard(args: argparse.Namespace) -> int:
@@ -209,9 +419,10 @@ def _unshard(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
-        progress=not args.quiet,
+        progress=_progress(args),
         objects=args.objects,
         exclude=args.exclude,
+        storage_options=_storage_options(args),
     )
     print(result)
     return 0
@@ -227,9 +438,10 @@ def _convert(args: argparse.Namespace) -> int:
         keys=args.keys,
         groups=args.groups,
         overwrite=args.overwrite,
-        progress=not args.quiet,
+        progress=_progress(args),
         objects=args.objects,
         exclude=args.exclude,
+        storage_options=_storage_options(args),
     )
     print(result)
     return 0
@@ -251,7 +463,8 @@ def _diff(args: argparse.Namespace) -> int:
         key_map=key_map,
         rtol=args.rtol,
         atol=args.atol,
-        progress=not args.quiet and not args.json,
+        progress=_progress(args, machine_output=args.json),
+        storage_options=_storage_options(args),
     )
     same = bool(frame["status"].isin(SAME).all())
     if args.json:
@@ -259,7 +472,7 @@ def _diff(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(diff_text(frame, same, show_all=args.all))
-    return 0 if same else 1
+    return 0 if same else EXIT_FOUND
 
 
 def diff_json(frame, same: bool) -> dict:
@@ -288,60 +501,10 @@ def diff_json(frame, same: bool) -> dict:
     }
 
 
-#: Keys listed per status in ``diff``'s text output unless ``--all`` is given.
-DIFF_LIST_CAP = 20
-
-
-def diff_text(frame, same: bool, *, show_all: bool = False) -> str:
-    """A human report: verdict and counts, then the keys of each status that is not ``equal``,
-    worst first, at most :data:`DIFF_LIST_CAP` per status unless ``show_all``."""
-    from .diff import STATUSES
-
-    counts = frame["status"].value_counts()
-    ordered = [status for status in reversed(STATUSES) if status in counts]
-    verdict = "equal within tolerance" if same else "DIFFERENT"
-    summary = ", ".join(f"{counts[status]} {status}" for status in ordered)
-    lines = [
-        f"a: {frame.attrs.get('a')}",
-        f"b: {frame.attrs.get('b')}",
-        f"{len(frame)} keys (rtol={frame.attrs.get('rtol')}, atol={frame.attrs.get('atol')}): "
-        f"{summary or 'none'} -> {verdict}",
-    ]
-    for status in ordered:
-        if status == "equal" and not show_all:
-            continue
-        rows = frame[frame["status"] == status]
-        shown = rows if show_all else rows.head(DIFF_LIST_CAP)
-        lines += ["", f"{status} ({len(rows)}):", _diff_table(shown)]
-        if len(shown) < len(rows):
-            lines.append(f"  … and {len(rows) - len(shown)} more (--all lists them)")
-    return "\n".join(lines)
-
-
-def _diff_table(rows) -> str:
-    """The rows of one status, with the columns that say something for it."""
-    columns = ["key", "dtype", "shape"]
-    if rows["max_abs"].notna().any():
-        columns += ["max_abs", "rel_l2", "cosine", "frac_outside"]
-    if rows["note"].astype(bool).any():
-        columns.append("note")
-    table = rows[columns].astype(object)
-    for column in columns:
-        table[column] = [_cell(value) for value in table[column]]
-    return table.to_string(index=False)
-
-
-def _cell(value) -> str:
-    """A table cell: floats to 3 significant digits, missing values blank."""
-    if value is None or value != value:
-        return ""
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
 def _sizes(args: argparse.Namespace) -> int:
     from .sizes import compare_sizes
 
-    frame = compare_sizes(*args.paths, labels=args.labels)
+    frame = compare_sizes(*args.paths, labels=args.labels, storage_options=_storage_options(args))
     if args.json:
         rows = [
             {"label": label, **{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}}
@@ -354,22 +517,10 @@ def _sizes(args: argparse.Namespace) -> int:
     return 0
 
 
-def sizes_text(frame) -> str:
-    """The ``compare_sizes`` frame with byte counts in kB/MB/GB."""
-    from .tables import human_bytes
-
-    shown = frame.copy()
-    for column in shown.columns:
-        if column not in ("format", "files", "records", "ratio"):
-            shown[column] = shown[column].map(human_bytes)
-    shown["ratio"] = shown["ratio"].map(lambda r: f"{r:.3f}x")
-    return shown.T.to_string()
-
-
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
-    frame = verify(args.path, crc=args.crc)
+    frame = verify(args.path, crc=args.crc, storage_options=_storage_options(args))
     if args.json:
         rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
         json.dump({"path": args.path, "ok": frame.empty, "problems": rows}, sys.stdout)
@@ -379,26 +530,45 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print(f"{args.path}: {len(frame)} problem(s)")
         print(frame.to_string(index=False, max_colwidth=120))
-    return 0 if frame.empty else 1
+    return 0 if frame.empty else EXIT_FOUND
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path)
+    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
     if args.json:
-        json.dump(inspect_json(ckpt), sys.stdout)
+        json.dump(inspect_json(ckpt, top=args.top), sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(inspect_text(ckpt, top=args.top))
+        print(inspect_text(ckpt, top=10 if args.top is None else args.top))
     return 0
 
 
-def inspect_json(ckpt: Checkpoint) -> dict:
-    """The ``inspect --json`` document, built from the catalog alone (no pandas, no torch)."""
+def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
+    """The ``inspect --json`` document, built from the catalog alone (no pandas, no torch):
+    the summary the text output shows, then the ``top`` largest tensors (all when None)."""
     catalog = ckpt.catalog
     sizes = ckpt.storage.sizes(catalog.files)
+    tensors = catalog.tensors()
+    model = [e for e in tensors if e.group == "model"]
+    groups: dict[str, dict[str, int]] = {}
+    for entry in catalog.entries.values():
+        totals = groups.setdefault(entry.group, {"tensors": 0, "objects": 0, "nbytes": 0})
+        totals["tensors" if entry.kind == "tensor" else "objects"] += 1
+        totals["nbytes"] += entry.nbytes if entry.kind == "tensor" else 0
+    if top is not None:
+        tensors = sorted(tensors, key=lambda e: e.nbytes, reverse=True)[: max(top, 0)]
     return {
         "format": catalog.format,
         "url": ckpt.url,
+        "summary": {
+            "tensors": len(catalog.tensors()),
+            "objects": len(catalog.objects()),
+            "files": len(catalog.files),
+            "bytes_on_disk": sum(size or 0 for size in sizes.values()),
+            "parameters": sum(e.numel for e in model or catalog.tensors()),
+            "parameters_counted": "model" if model else "all tensors",
+            "groups": groups,
+        },
         "tensors": [
             {
                 "key": e.key,
@@ -407,45 +577,106 @@ def inspect_json(ckpt: Checkpoint) -> dict:
                 "nbytes": e.nbytes,
                 "n_chunks": e.n_chunks,
             }
-            for e in catalog.tensors()
+            for e in tensors
         ],
         "objects": [{"key": e.key, "nbytes": e.nbytes} for e in catalog.objects()],
         "files": [{"file": f, "size": sizes.get(f)} for f in catalog.files],
     }
 
 
-def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
-    """A human summary: totals, bytes by group and dtype, the largest tensors."""
-    from .tables import human_bytes
-
-    summary = ckpt.summary()
-    tensors = ckpt.tensors
-    largest = tensors.nlargest(top, "nbytes")[
-        ["key", "dtype", "shape", "nbytes", "n_chunks", "sharded_dims"]
-    ]
-    largest = largest.assign(nbytes=largest["nbytes"].map(human_bytes))
-    by_group = summary.by_group.assign(
-        nbytes=summary.by_group["nbytes"].map(human_bytes),
-        object_bytes=summary.by_group["object_bytes"].map(human_bytes),
+def _add_stats(commands) -> None:
+    stats = _command(
+        commands,
+        "stats",
+        "per-tensor min, max, mean, std, L2 norm, zero/NaN/Inf fractions (one pass)",
+        "  ckptkit stats run/step3 --groups model\n"
+        "  ckptkit stats out/model.safetensors --fingerprint --csv > stats.csv",
     )
-    by_rank = summary.by_rank.assign(size=summary.by_rank["size"].map(human_bytes))
-    lines = [
-        f"{ckpt.format} checkpoint {ckpt.url}",
-        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {len(ckpt.catalog.files)} files, "
-        f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters_text}",
-        "",
-        "by group:",
-        by_group.to_string(),
-        "",
-        "by dtype:",
-        summary.by_dtype.assign(nbytes=summary.by_dtype["nbytes"].map(human_bytes)).to_string(),
-        "",
-        "by rank:",
-        by_rank[["size", "records"]].to_string(),
-        "",
-        f"largest {len(largest)} tensors:",
-        largest.to_string(index=False),
+    stats.add_argument("path", help="checkpoint path or fsspec URL")
+    _add_selection_arguments(stats, exclude=False)
+    stats.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="also hash every tensor: per-tensor fingerprints and the checkpoint's, equal "
+        "across formats and world sizes for equal contents",
+    )
+    output = stats.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument("--csv", action="store_true", help="one CSV row per tensor")
+    _add_progress_arguments(stats)
+    _add_remote_arguments(stats)
+    stats.set_defaults(run=_stats)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .stats import stats
+
+    frame = stats(
+        args.path,
+        keys=args.keys,
+        groups=args.groups,
+        fingerprints=args.fingerprint,
+        progress=_progress(args, machine_output=args.json or args.csv),
+        storage_options=_storage_options(args),
+    )
+    if not args.fingerprint:
+        frame = frame.drop(columns="fingerprint")
+    if args.json:
+        json.dump(stats_json(frame), sys.stdout, allow_nan=False)
+        sys.stdout.write("\n")
+    elif args.csv:
+        frame.assign(shape=[list(shape) for shape in frame["shape"]]).to_csv(
+            sys.stdout, index=False
+        )
+    else:
+        print(stats_text(frame))
+    return 0
+
+
+def _finite_or_none(value):
+    """JSON has no NaN or Infinity: NaN → null, ±Inf → "inf" / "-inf"."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return "inf" if value > 0 else "-inf"
+    return list(value) if isinstance(value, tuple) else value
+
+
+def stats_json(frame) -> dict:
+    """The ``stats --json`` document: where, the checkpoint fingerprint if computed, the rows."""
+    rows = [
+        {column: _finite_or_none(value) for column, value in row.items()}
+        for row in frame.astype(object).to_dict("records")
     ]
+    return {
+        "url": frame.attrs.get("url"),
+        "format": frame.attrs.get("format"),
+        "fingerprint": frame.attrs.get("fingerprint"),
+        "tensors": rows,
+    }
+
+
+def stats_text(frame) -> str:
+    """The ``stats`` table: one line per tensor, fractions in percent, fingerprints shortened
+    to 16 hex digits (``--json`` has them whole); tensors holding NaN/Inf named after it."""
+    columns = ["key", "dtype", "shape", "min", "max", "mean", "std", "l2", "abs_max"]
+    table = frame[columns].copy()
+    table["shape"] = [str(list(shape)) for shape in frame["shape"]]
+    for name in ("zero", "nan", "inf"):
+        table[f"{name} %"] = 100 * frame[f"frac_{name}"]
+    if "fingerprint" in frame:
+        table["fingerprint"] = [str(value)[:16] for value in frame["fingerprint"]]
+    head = (
+        f"{frame.attrs.get('url')} ({frame.attrs.get('format')}): {len(frame)} tensors, "
+        f"{int(frame['numel'].sum()):,} elements"
+    )
+    lines = [head, table.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
+    bad = frame.loc[(frame["frac_nan"] > 0) | (frame["frac_inf"] > 0), "key"].tolist()
+    if bad:
+        shown = ", ".join(bad[:10]) + (" …" if len(bad) > 10 else "")
+        lines.append(f"{len(bad)} tensor(s) hold NaN or Inf: {shown}")
+    if frame.attrs.get("fingerprint"):
+        lines.append(f"fingerprint: {frame.attrs['fingerprint']}")
     return "\n".join(lines)
 
 

@@ -185,6 +185,7 @@ def _selected_values(
         raise FormatError(
             f"{source.url}: nothing matches keys={keys!r} groups={groups!r}"
             + (f" ({len(result.dropped)} entries left out)" if result.dropped else "")
+            + f"; {source.catalog.hint(keys, groups)}"
         )
     return entries, {k: v for k, v in values.items() if k not in result.dropped}
 

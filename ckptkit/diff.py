@@ -111,7 +111,9 @@ def _pairs(
     side_a = _mapped(ckpt_a, key_map, keys)
     side_b = _mapped(ckpt_b, key_map, keys)
     if keys is not None and not side_a and not side_b:  # a mistyped glob must not "pass"
-        raise KeyNotFoundError(f"{ckpt_a.url}, {ckpt_b.url}: no key matches {keys!r}")
+        raise KeyNotFoundError(
+            f"{ckpt_a.url}, {ckpt_b.url}: no key matches {keys!r} ({ckpt_a.catalog.hint(keys)})"
+        )
     pairs: list[Pair] = [(entry, side_b.get(name)) for name, entry in side_a.items()]
     pairs += [(None, entry) for name, entry in side_b.items() if name not in side_a]
     return pairs

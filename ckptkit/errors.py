@@ -18,6 +18,16 @@ class MissingFileError(CheckpointError, FileNotFoundError):
     """A file the checkpoint needs does not exist (or cannot be reached)."""
 
 
+class NotACheckpointError(FormatError):
+    """Nothing ckptkit recognises is at the location: it does not exist, holds no checkpoint,
+    or is a file *of* one or a folder of several (the message names what to open). A usage
+    problem, told apart from a damaged checkpoint (``verify`` raises it instead of reporting)."""
+
+
+class LocationNotFoundError(NotACheckpointError, MissingFileError):
+    """The location itself does not exist (a mistyped path)."""
+
+
 class CorruptRecordError(CheckpointError):
     """A byte record cannot be decoded: truncated, wrong framing, or disagreeing with metadata."""
 

@@ -43,7 +43,8 @@ class Source:
         try:
             return self.catalog.entries[key]
         except KeyError:
-            raise KeyNotFoundError(f"{self.url}: no entry {key!r}") from None
+            hint = self.catalog.hint(keys=key)
+            raise KeyNotFoundError(f"{self.url}: no entry {key!r} ({hint})") from None
 
 
 def open_location(

@@ -25,6 +25,7 @@ from .errors import (
     LimitExceededError,
     MismatchError,
     MissingFileError,
+    NotACheckpointError,
     PickleLimitError,
     TruncatedFileError,
     UnsafePathError,
@@ -74,9 +75,13 @@ def verify(
     """Problems of the checkpoint at ``src`` (a path, fsspec URL or open checkpoint; see
     :meth:`ckptkit.Checkpoint.verify`); a checkpoint that cannot even be opened (missing
     ``.metadata``, a rank file missing from a set) is one problem row rather than an
-    exception."""
+    exception; a location that is not a checkpoint at all (a typo, a folder of steps) raises
+    :class:`~ckptkit.errors.NotACheckpointError`, so a CI job can tell a wrong path from
+    damage."""
     try:
         source = open_source(src, storage_options, verify_crc=crc)
+    except NotACheckpointError:
+        raise
     except CheckpointError as exc:
         return _frame([Problem(None, None, problem_kind(exc), str(exc))])
     return verify_checkpoint(source, crc=crc)

@@ -70,12 +70,14 @@ def test_unshard_prints_what_it_wrote(written, tmp_path):
 def test_unshard_safetensors_model_in_bfloat16(written, tmp_path):
     source = written("fsdp2_ws2")
     dst = tmp_path / "st"
-    args = ["--to", "safetensors", "--groups", "model", "--dtype", "bfloat16"]
+    args = ["--to", "safetensors", "--groups", "model", "--dtype", "bf16", "--progress"]
     result = run("unshard", str(source.path), str(dst), *args)
     files = written_files(result, dst)
     n_model = entry_counts(source.path)["model"][0]
     assert files == {"model.safetensors": (n_model, 0)}
-    assert "unshard" in result.stderr  # the progress bar, on stderr only
+    assert "unshard" in result.stderr  # the progress bar asked for, on stderr only
+    quiet = run("unshard", str(source.path), str(tmp_path / "again"), *args[:-1])
+    assert quiet.returncode == 0 and quiet.stderr == ""  # stderr is not a terminal: no bar
     loaded = safetensors.torch.load_file(dst / "model.safetensors")
     reference = source.reference()["model"]
     assert loaded.keys() == reference.keys()
@@ -91,7 +93,14 @@ def test_unshard_keys_globs_select_entries(written, tmp_path):
     dst = tmp_path / "some"
     globs = ["model.blocks.0.*", "model.odd", "optim.state.*.exp_avg"]
     files = written_files(
-        run("unshard", str(source.path), str(dst), "--quiet", "--keys", *globs), dst
+        run(
+            "unshard",
+            str(source.path),
+            str(dst),
+            "--quiet",
+            *[a for g in globs for a in ("--keys", g)],
+        ),
+        dst,
     )
     expected = torch_unsharded(source.path, tmp_path)
     want_model = {k: v for k, v in expected["model"].items() if k.startswith("blocks.0.")}
@@ -162,7 +171,7 @@ def test_existing_output_is_refused_without_overwrite(written, tmp_path):
 def test_convert_to_dcp_is_read_by_dcp_to_torch_save(written, tmp_path, groups):
     source = written("fsdp2_ws2")
     dst = tmp_path / "dcp"
-    args = ["--to", "dcp", "--quiet"] + (["--groups", *groups] if groups else [])
+    args = ["--to", "dcp", "--quiet"] + [a for g in groups or () for a in ("--groups", g)]
     files = written_files(run("convert", str(source.path), str(dst), *args), dst)
     counts = entry_counts(source.path)
     kept = [g for g in counts if groups is None or g in groups]

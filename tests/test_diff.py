@@ -260,7 +260,19 @@ def test_cli_diff_exit_codes_and_json(ws2, mutant, unsharded, tmp_path, capsys):
     assert f"{len(torch_keys(ws2.path))} equal -> equal within tolerance" in out
 
     assert (
-        main(["diff", str(ws2.path), str(mutant), "--keys", "model.*", "train.*", "--quiet"]) == 1
+        main(
+            [
+                "diff",
+                str(ws2.path),
+                str(mutant),
+                "--keys",
+                "model.*",
+                "--keys",
+                "train.*",
+                "--quiet",
+            ]
+        )
+        == 1
     )
     out = capsys.readouterr().out
     assert f"model.{PERTURBED}" in out and "DIFFERENT" in out

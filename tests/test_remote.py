@@ -428,3 +428,41 @@ def test_unshard_to_s3_is_all_or_nothing(s3, url):
     assert [r for r in log if r.method == "DELETE" and r.path.endswith("/model.pt")]
     fs.invalidate_cache()
     assert fs.find(key_of(destination)[1:]) == []
+
+
+def test_cli_storage_options_and_one_line_backend_errors(s3, sample):
+    """``--storage-option KEY=VALUE`` reaches fsspec: with no endpoint in the environment the
+    CLI finds the server only through it; a backend's own failure (no credentials) is one
+    line and exit 2, never a botocore traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    url = upload(sample.path)
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_MAX_ATTEMPTS="1")
+
+    def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptkit.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**env, **extra},
+        )
+
+    found = cli("inspect", url, "--json", "--storage-option", f"endpoint_url={s3.endpoint}")
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["summary"]["tensors"] == len(ckptkit.open(url).tensors)
+    no_keys = {
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    }
+    refused = cli("inspect", url, "--storage-option", f"endpoint_url={s3.endpoint}", **no_keys)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("ckptkit: error:") and refused.stderr.count("\n") == 1
+    assert "Traceback" not in refused.stderr and "credentials" in refused.stderr.lower()
+    bad = cli("inspect", url, "--storage-option", "no-equals-sign")
+    assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr

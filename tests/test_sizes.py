@@ -75,7 +75,7 @@ def test_cli_sizes(ws2, unsharded, capsys):
     frame = ckptkit.compare_sizes(*paths)
     assert [row["size"] for row in document["checkpoints"]] == frame["size"].tolist()
     assert [row["label"] for row in document["checkpoints"]] == ["ckpt", "st"]
-    assert main(["sizes", *paths, "--labels", "dcp", "safetensors"]) == 0
+    assert main(["sizes", *paths, "--labels", "dcp", "--labels", "safetensors"]) == 0
     out = capsys.readouterr().out
     assert "overhead_bytes" in out and "1.000x" in out
     assert out.splitlines()[0].split() == ["checkpoint", "dcp", "safetensors"]

@@ -8,7 +8,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..catalog import Catalog
-from ..errors import AccessDeniedError, FormatError, MissingFileError
+from ..errors import (
+    AccessDeniedError,
+    FormatError,
+    LocationNotFoundError,
+    MissingFileError,
+    NotACheckpointError,
+)
 from ..storage import Storage
 from . import (
     dcp,
@@ -55,7 +61,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
         return found or Detection(format, storage, ["forced by format="])
     pointer = pointers.inside_checkpoint(storage)
     if pointer is not None:
-        raise FormatError(pointer)
+        raise NotACheckpointError(pointer)
     found = first_detection(storage)
     if found is not None:
         return found
@@ -64,17 +70,17 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     except MissingFileError as exc:
         if isinstance(exc.__cause__, AccessDeniedError):  # a store refusing everything (403)
             raise exc.__cause__ from None
-        raise MissingFileError(f"{storage.describe()}: no such file or directory") from None
+        raise LocationNotFoundError(f"{storage.describe()}: no such file or directory") from None
     steps = pointers.checkpoints_below(storage, entries, first_detection)
     if steps:
         shown = ", ".join(steps[:8]) + (" …" if len(steps) > 8 else "")
-        raise FormatError(
+        raise NotACheckpointError(
             f"{storage.describe()}: a folder of {len(steps)} checkpoint(s), not one: {shown}; "
             f"open one of them, e.g. ckptkit inspect {storage.describe(steps[-1])}"
         )
     listing = sorted(entries)
     seen = ", ".join(listing[:12]) + (" …" if len(listing) > 12 else "") if listing else "nothing"
-    raise FormatError(
+    raise NotACheckpointError(
         f"{storage.describe()}: not a checkpoint ckptkit recognises; looked for .metadata, "
         f"metadata.json (Megatron torch_dist), latest_checkpointed_iteration.txt, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
