@@ -313,7 +313,9 @@ FIXTURE_CHECKPOINTS = sorted(
 def test_fingerprints_hash_what_reads_return_in_every_fixture_format(path):
     ckpt = ckptkit.open(str(path))
     frame = ckptkit.stats(ckpt).set_index("key")
-    assert len(frame) == len(ckpt.catalog.tensors()) > 0
+    # every tensor but alternate views of bytes other keys hold (Megatron's stacked layers)
+    tensors = [e for e in ckpt.catalog.select() if e.kind == "tensor"]
+    assert len(frame) == len(tensors) > 0
     for key, row in frame.iterrows():
         tensor = ckpt.read(key)
         header = f"\0{row['dtype']}\0[{','.join(str(n) for n in row['shape'])}]\0".encode()
