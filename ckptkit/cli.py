@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -477,19 +478,6 @@ def _diff(args: argparse.Namespace) -> int:
 
 def diff_json(frame, same: bool) -> dict:
     """The ``diff --json`` document: settings, verdict, counts per status and every row."""
-    import math
-
-    def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        if isinstance(value, tuple):
-            return list(value)
-        return None if value is None or value != value else value
-
-    rows = [
-        {column: clean(value) for column, value in row.items()}
-        for row in frame.astype(object).to_dict("records")
-    ]
     return {
         "a": frame.attrs.get("a"),
         "b": frame.attrs.get("b"),
@@ -497,7 +485,7 @@ def diff_json(frame, same: bool) -> dict:
         "atol": frame.attrs.get("atol"),
         "same": same,
         "counts": {k: int(v) for k, v in frame["status"].value_counts().items()},
-        "keys": rows,
+        "keys": _json_rows(frame),
     }
 
 
@@ -633,26 +621,31 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finite_or_none(value):
-    """JSON has no NaN or Infinity: NaN → null, ±Inf → "inf" / "-inf"."""
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, float) and value in (float("inf"), float("-inf")):
-        return "inf" if value > 0 else "-inf"
-    return list(value) if isinstance(value, tuple) else value
+def _json_value(value):
+    """A table cell as JSON has it: NaN and missing → null, ±Inf → "inf" / "-inf" (JSON has
+    neither), tuples (shapes) → lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, tuple):
+        return list(value)
+    return None if value is None or value != value else value
+
+
+def _json_rows(frame) -> list[dict]:
+    """The rows of ``frame`` as JSON-ready dicts."""
+    return [
+        {column: _json_value(value) for column, value in row.items()}
+        for row in frame.astype(object).to_dict("records")
+    ]
 
 
 def stats_json(frame) -> dict:
     """The ``stats --json`` document: where, the checkpoint fingerprint if computed, the rows."""
-    rows = [
-        {column: _finite_or_none(value) for column, value in row.items()}
-        for row in frame.astype(object).to_dict("records")
-    ]
     return {
         "url": frame.attrs.get("url"),
         "format": frame.attrs.get("format"),
         "fingerprint": frame.attrs.get("fingerprint"),
-        "tensors": rows,
+        "tensors": _json_rows(frame),
     }
 
 
