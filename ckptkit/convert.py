@@ -17,7 +17,13 @@ from typing import Any, Literal
 from . import dtypes, output_names
 from .catalog import Chunk, Entry
 from .dtypes import DType
-from .errors import FormatError, UnsafePickleError, UsageError
+from .errors import (
+    FormatError,
+    MissingFileError,
+    OutputExistsError,
+    UnsafePickleError,
+    UsageError,
+)
 from .known_objects import decoded, opaque_names
 from .progress import ByteProgress
 from .reading import Reader
@@ -134,12 +140,36 @@ def unshard(
     plans = _plans(entries, values, to, limit, cast)
     total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
     with atomic_output(destination, overwrite=overwrite) as output:
-        output.refuse_existing([name for plan in plans for name in plan.names])
+        names = [name for plan in plans for name in plan.names]
+        output.refuse_existing(names)
+        _refuse_another_checkpoint(destination, names)
         with ByteProgress(total, progress, "unshard") as bar:
             copier = _Copier(source.reader, cast, bar)
             for plan in plans:
                 result.files.extend(plan.write(output, source, copier))
     return result
+
+
+def _refuse_another_checkpoint(destination: Storage, names: list[str]) -> None:
+    """One folder, one checkpoint: refuse to write groups the folder already holds in another
+    format or sharding (``model.safetensors`` beside a new ``model.pt``), between which a
+    reader could only choose silently. ``overwrite`` does not help: it replaces files of the
+    same name, and the others would stay."""
+    try:
+        existing = destination.listdir()
+    except MissingFileError:
+        return
+    ours = set(names)
+    groups = {output_names.group_of_file(name) for name in names} - {None}
+    others = sorted(
+        n for n in existing if n not in ours and output_names.group_of_file(n) in groups
+    )
+    if others:
+        shown = ", ".join(others[:4]) + (" …" if len(others) > 4 else "")
+        raise OutputExistsError(
+            f"{destination.describe()} already holds {shown}: the same group(s) in another "
+            "format or sharding; write to an empty folder (one folder, one checkpoint)"
+        )
 
 
 def _selected_values(

@@ -72,6 +72,20 @@ def decode_stem(stem: str) -> str:
         return stem
 
 
+#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin``,
+#: ``model.pth.tar``, ``model.safetensors`` → model
+_CHECKPOINT_FILE = re.compile(
+    r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pth\.tar|pt|pth|bin|ckpt|tar|jit|safetensors)$"
+)
+
+
+def group_of_file(name: str) -> str | None:
+    """The group a checkpoint file holds: its name without checkpoint suffix, side-file tag or
+    shard number, percent-decoded as :func:`encode_stem` wrote it; None for other names."""
+    match = _CHECKPOINT_FILE.match(name)
+    return decode_stem(match.group(1)) if match else None
+
+
 def check_distinct_files(names_by_group: Mapping[str, Iterable[str]]) -> None:
     """Refuse two groups that would write the same output file."""
     owner: dict[str, str] = {}

@@ -160,6 +160,26 @@ def test_outputs_are_all_or_nothing(written, tmp_path, monkeypatch):
         assert_bit_equal(replaced[key], cast, key)
 
 
+def test_one_folder_holds_one_checkpoint(written, tmp_path):
+    """A second unshard in another format (or sharding) into the same folder is refused
+    before anything is written, overwrite or not: a reader could only choose between the two
+    silently."""
+    source = written("fsdp2_ws2")
+    dst = tmp_path / "out"
+    ckptkit.unshard(str(source.path), str(dst), to="safetensors", progress=False)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    for overwrite in (False, True):
+        with pytest.raises(ckptkit.OutputExistsError, match=r"already holds model\.safetensors"):
+            ckptkit.unshard(str(source.path), str(dst), overwrite=overwrite, progress=False)
+    with pytest.raises(ckptkit.OutputExistsError, match="another format or sharding"):
+        ckptkit.unshard(str(source.path), str(dst), to="safetensors", max_shard_size="64KB",
+                        groups="model", overwrite=True, progress=False)  # fmt: skip
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+    # the same output again replaces itself: same names, same bytes
+    ckptkit.unshard(str(source.path), str(dst), to="safetensors", overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+
 def test_load_state_dict_and_from_checkpoint(written):
     source = written("fsdp2_ws2")
     reference = source.reference()

@@ -346,7 +346,8 @@ def test_safetensors_preferred_over_torch_save(tmp_path):
     torch.save({k: v.clone() for k, v in tensors.items()}, tmp_path / "model.pt")
     torch.save({"step": 3, "rng": torch.arange(4)}, tmp_path / "train.pt")
     torch.save({"param_groups": [{"lr": 0.1}]}, tmp_path / "model.objects.pt")
-    ckpt = ckptkit.open(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"not read: model\.pt: model is read from safetensors"):
+        ckpt = ckptkit.open(str(tmp_path))  # the choice is said, never silent
     assert ckpt.format == "safetensors"
     assert ckpt.catalog.facts.skipped_files == {"model.pt": "model is read from safetensors"}
     assert "model.pt" not in ckpt.catalog.files

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,6 +126,12 @@ def _torch_save_files(
             skipped[name] = "legacy (pre-1.6) torch.save format"
     if skipped:
         facts["skipped_files"] = skipped
+        shown = "; ".join(f"{name}: {why}" for name, why in list(skipped.items())[:4])
+        warnings.warn(
+            f"{storage.describe()} holds torch.save files beside safetensors; not read: {shown} "
+            "(open such a file by its path to read it instead)",
+            stacklevel=2,
+        )
     return files
 
 

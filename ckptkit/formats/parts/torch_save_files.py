@@ -10,14 +10,13 @@ bytes; every other leaf becomes an object entry read back from the same pickle (
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ...catalog import Chunk, Encoding, Entry, Record, pickle_leaf
 from ...errors import CorruptRecordError, FormatError
-from ...output_names import decode_stem
+from ...output_names import group_of_file
 from ...records import Member, ZipIndex, read_zip_indexes
 from ...storage import Storage
 from ...unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
@@ -29,18 +28,11 @@ ZIP_MAGIC = b"PK\x03\x04"
 #: Pre-1.6 torch.save files are bare pickles, the first a 10-byte magic number (protocol 2).
 LEGACY_MAGIC = MAGIC_PREFIX
 
-#: ``model.pt``, ``model.objects.pt`` (ckptkit's side file), ``model-00001-of-00002.bin``,
-#: ``model.pth.tar`` → model
-_GROUP = re.compile(
-    r"^(.+?)(?:-\d+-of-\d+)?(?:\.objects)?\.(?:pth\.tar|pt|pth|bin|ckpt|tar|jit|safetensors)$"
-)
-
-
 def group_of(name: str) -> str:
-    """The group a file in a directory holds: its name without suffix, side-file tag or shard,
-    percent-decoded as :func:`ckptkit.output_names.encode_stem` wrote it."""
-    match = _GROUP.match(name)
-    return decode_stem(match.group(1)) if match else name
+    """The group a file in a directory holds (:func:`ckptkit.output_names.group_of_file`), or
+    the whole name when it has no checkpoint suffix."""
+    group = group_of_file(name)
+    return name if group is None else group
 
 
 def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
