@@ -113,7 +113,8 @@ class Checkpoint(Source):
         """Bytes by group, dtype, file and rank, and the parameter count."""
         from . import tables
 
-        return tables.summarize(self.tensors, self.objects, self.files)
+        metadata = self.storage.sizes(list(self.catalog.facts.metadata_files))
+        return tables.summarize(self.tensors, self.objects, self.files, metadata, self.catalog)
 
     # -- values ----------------------------------------------------------------------------
 

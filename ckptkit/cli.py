@@ -513,12 +513,26 @@ def _verify(args: argparse.Namespace) -> int:
         rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
         json.dump({"path": args.path, "ok": frame.empty, "problems": rows}, sys.stdout)
         sys.stdout.write("\n")
-    elif frame.empty:
-        print(f"{args.path}: no problems found")
     else:
-        print(f"{args.path}: {len(frame)} problem(s)")
-        print(frame.to_string(index=False, max_colwidth=120))
+        print(verify_text(args.path, frame))
     return 0 if frame.empty else EXIT_FOUND
+
+
+def verify_text(path: str, frame) -> str:
+    """``verify``'s report: the verdict, problems counted per file, then every problem with
+    its whole detail (never cut to a column width)."""
+    if frame.empty:
+        return f"{path}: no problems found"
+    files = frame["file"].fillna("(checkpoint)")
+    lines = [f"{path}: {len(frame)} problem(s) in {files.nunique()} file(s)"]
+    for file, rows in frame.groupby(files, sort=False):
+        kinds = rows["problem"].value_counts()
+        lines.append(f"  {file}: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
+    lines.append("")
+    for row in frame.itertuples(index=False):
+        where = " ".join(str(part) for part in (row.file, row.key) if part is not None)
+        lines += [f"{row.problem}: {where or path}", f"    {row.detail}"]
+    return "\n".join(lines)
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -98,7 +98,7 @@ def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
     by_rank = summary.by_rank.assign(size=summary.by_rank["size"].map(human_bytes))
     lines = [
         f"{ckpt.format} checkpoint {ckpt.url}",
-        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {len(ckpt.catalog.files)} files, "
+        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {summary.files} files, "
         f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters_text}",
         "",
         "by group:",
@@ -107,9 +107,7 @@ def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
         "by dtype:",
         summary.by_dtype.assign(nbytes=summary.by_dtype["nbytes"].map(human_bytes)).to_string(),
         "",
-        "by rank:",
-        by_rank[["size", "records"]].to_string(),
-        "",
+        *(["by rank:", by_rank[["size", "records"]].to_string(), ""] if summary.ranked else []),
         f"largest {len(largest)} tensors:",
         largest.to_string(index=False),
     ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import reprlib
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,10 +180,20 @@ class Summary:
     by_file: pd.DataFrame
     by_rank: pd.DataFrame
     parameters: int
+    #: every file the checkpoint consists of: data files plus metadata (``.metadata``, an
+    #: index), as ``compare_sizes`` counts them
     total_bytes: int
     #: what ``parameters`` counts: the ``model`` group's elements, or every tensor's when the
     #: checkpoint has no ``model`` group (then optimizer state is counted too)
     counted: str = "model"
+    #: data files + metadata files
+    files: int = 0
+    metadata_bytes: int = 0
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the files belong to ranks (a sharded save) — else ``by_rank`` says nothing."""
+        return bool(self.by_rank.index.notna().any())
 
     @property
     def parameters_text(self) -> str:
@@ -196,23 +207,31 @@ class Summary:
         parts = [
             f"<p><b>{self.parameters_text}</b>, <b>{human_bytes(self.total_bytes)}</b> on disk</p>"
         ]
-        for title, frame in (
-            ("by group", self.by_group),
-            ("by dtype", self.by_dtype),
-            ("by rank", self.by_rank),
-        ):
+        tables = [("by group", self.by_group), ("by dtype", self.by_dtype)]
+        if self.ranked:
+            tables.append(("by rank", self.by_rank))
+        for title, frame in tables:
             parts.append(f"<h4>{title}</h4>{frame.to_html()}")
         return "".join(parts)
 
     def __str__(self) -> str:
-        return (
-            f"{self.parameters_text}, {human_bytes(self.total_bytes)} on disk\n\n"
-            f"by group:\n{self.by_group}\n\nby dtype:\n{self.by_dtype}\n\nby rank:\n{self.by_rank}"
+        text = (
+            f"{self.parameters_text}, {self.files} files, {human_bytes(self.total_bytes)} on disk"
+            f"\n\nby group:\n{self.by_group}\n\nby dtype:\n{self.by_dtype}"
         )
+        return text + (f"\n\nby rank:\n{self.by_rank}" if self.ranked else "")
 
 
-def summarize(tensors: pd.DataFrame, objects: pd.DataFrame, files: pd.DataFrame) -> Summary:
-    """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none)."""
+def summarize(
+    tensors: pd.DataFrame,
+    objects: pd.DataFrame,
+    files: pd.DataFrame,
+    metadata_sizes: Mapping[str, int | None] | None = None,
+    catalog: Catalog | None = None,
+) -> Summary:
+    """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none);
+    files and bytes include the metadata files (``metadata_sizes``), and with the ``catalog``
+    object bytes count each stored record once, as ``compare_sizes`` counts them."""
     by_group = (
         tensors.groupby("group", sort=False)
         .agg(tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum"))
@@ -225,6 +244,9 @@ def summarize(tensors: pd.DataFrame, objects: pd.DataFrame, files: pd.DataFrame)
         .fillna(0)
         .astype("int64")
     )
+    if catalog is not None:
+        per_group = object_bytes_by_group(catalog)
+        by_group["object_bytes"] = [per_group.get(group, 0) for group in by_group.index]
     by_dtype = tensors.groupby("dtype").agg(
         tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum")
     )
@@ -236,9 +258,30 @@ def summarize(tensors: pd.DataFrame, objects: pd.DataFrame, files: pd.DataFrame)
     ].sum()
     model = tensors[tensors["group"] == "model"]
     parameters = int((model if len(model) else tensors)["numel"].sum())
-    total_bytes = int(files["size"].fillna(0).sum())
+    metadata_bytes = sum(size or 0 for size in (metadata_sizes or {}).values())
+    total_bytes = int(files["size"].fillna(0).sum()) + metadata_bytes
     counted = "model" if len(model) else "all tensors"
-    return Summary(by_group, by_dtype, by_file, by_rank, parameters, total_bytes, counted)
+    n_files = len(files) + len(metadata_sizes or {})
+    return Summary(
+        by_group, by_dtype, by_file, by_rank, parameters, total_bytes, counted, n_files,
+        metadata_bytes,
+    )  # fmt: skip
+
+
+def object_bytes_by_group(catalog: Catalog) -> dict[str, int]:
+    """Bytes of the stored object records per group, each record once (a pickle shared by
+    several groups' leaves counts for the first of them): they add up to the files'
+    ``object_bytes``."""
+    owner: dict[tuple[str, int, int], str] = {}
+    for entry in catalog.objects():
+        for chunk in entry.chunks:
+            record = chunk.record
+            if record is not None:
+                owner.setdefault((record.file, record.offset, record.length), entry.group)
+    totals: dict[str, int] = defaultdict(int)
+    for (_, _, length), group in owner.items():
+        totals[group] += length
+    return dict(totals)
 
 
 def human_bytes(n: float) -> str:

@@ -186,8 +186,12 @@ for path in sys.argv[1:]:
     label = "parameters in 'model'" if model else "elements in all tensors (no 'model' group)"
     assert summary.parameters_text == f"{summary.parameters:,} {label}", path
     root = path if os.path.isdir(path) else os.path.dirname(path)
-    on_disk = sum(os.path.getsize(os.path.join(root, f)) for f in ckpt.catalog.files)
+    names = [*ckpt.catalog.files, *ckpt.catalog.facts.metadata_files]
+    on_disk = sum(os.path.getsize(os.path.join(root, f)) for f in names)
     assert summary.total_bytes == on_disk, (path, summary.total_bytes, on_disk)
+    sizes = ckptkit.compare_sizes(ckpt).iloc[0]  # one set of numbers: inspect, summary, sizes
+    assert (sizes["size"], sizes["files"]) == (summary.total_bytes, summary.files), path
+    assert sizes["object_bytes"] == summary.by_group["object_bytes"].sum(), path
     assert f"<b>{summary.parameters_text}</b>" in summary._repr_html_()
     assert "<b>" in ckpt._repr_html_()
     values = {e.key: ckpt.read_object(e.key) for e in objects}

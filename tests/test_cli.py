@@ -56,7 +56,7 @@ def test_inspect_human_output_lists_groups_and_largest_tensors():
     metadata = dcp.FileSystemReader(str(FIXTURE / "model_and_optim")).read_metadata()
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
     objects = len(metadata.state_dict_metadata) - len(tensors)
-    files = len(list((FIXTURE / "model_and_optim").glob("*.distcp")))
+    files = len(list((FIXTURE / "model_and_optim").glob("*.distcp"))) + 1  # and .metadata
     assert f"{len(tensors)} tensors, {objects} objects, {files} files" in out
     # parameters: the elements of the model group's tensors
     model = [v for k, v in tensors.items() if metadata.planner_data[k][0] == "model"]
@@ -115,7 +115,12 @@ def test_exit_status_separates_usage_errors_from_findings(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    assert run("verify", str(damaged)).returncode == 1
+    found = run("verify", str(damaged))
+    assert found.returncode == 1
+    head, counts = found.stdout.splitlines()[:2]
+    assert head.endswith("problem(s) in 1 file(s)") and counts.startswith("  model_and_optim/__0_0")
+    details = [line for line in found.stdout.splitlines() if line.startswith("    ")]
+    assert details and all(str(damaged) in line for line in details)  # whole, not cut
 
 
 def test_selection_options_repeat_and_never_swallow_positionals(tmp_path):
