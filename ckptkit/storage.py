@@ -954,8 +954,10 @@ class AtomicOutput:
         self.local = destination.local
         self.names: list[str] = []
         self._dirs: set[str] = set()  # parent folders of the names, for clashes with files
+        self._created: list[str] = []  # folders made for the destination, innermost first
         try:
             if self.local:
+                self._created = _missing_folders(destination.root)
                 os.makedirs(destination.root, exist_ok=True)
                 parent, prefix = destination.root, STAGING_PREFIX
             else:
@@ -1103,8 +1105,26 @@ class AtomicOutput:
             os.remove(final)
 
     def discard(self) -> None:
-        """Remove the staging folder and everything in it."""
+        """Remove the staging folder and everything in it, and the destination folders this
+        output created if they stayed empty (an interrupted run leaves nothing behind)."""
         shutil.rmtree(self.staging, ignore_errors=True)
+        for folder in self._created:
+            try:
+                os.rmdir(folder)  # only when empty: never what someone else put there
+            except OSError:
+                break
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders ``os.makedirs(path)`` would create, innermost first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
 
 
 class _OutputFile:

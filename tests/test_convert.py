@@ -139,7 +139,7 @@ def test_outputs_are_all_or_nothing(written, tmp_path, monkeypatch):
     monkeypatch.setattr(ckptkit.reading.Reader, "iter_bytes", failing)
     with pytest.raises(ckptkit.CorruptRecordError, match="injected"):
         ckptkit.unshard(str(source.path), str(out), progress=False)
-    assert list(out.iterdir()) == []  # no final names, no staging left behind
+    assert not out.exists()  # no final names, no staging, not even the folder made for them
     monkeypatch.undo()
 
     ckptkit.unshard(str(source.path), str(out), groups="model", progress=False)
@@ -158,6 +158,34 @@ def test_outputs_are_all_or_nothing(written, tmp_path, monkeypatch):
     for key, tensor in reference.items():
         cast = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert_bit_equal(replaced[key], cast, key)
+
+
+def test_ctrl_c_leaves_nothing_behind(written, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of ``ckptkit unshard``: one line, status 130, no output and no
+    folder made for it; a folder that existed before keeps exactly what it held."""
+    from ckptkit.cli import main
+
+    source = written("fsdp2_ws2")
+    original = ckptkit.reading.Reader.iter_bytes
+    calls = {"n": 0}
+
+    def interrupted(self, entry):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt
+        yield from original(self, entry)
+
+    monkeypatch.setattr(ckptkit.reading.Reader, "iter_bytes", interrupted)
+    fresh = tmp_path / "new" / "out"
+    assert main(["unshard", str(source.path), str(fresh), "--quiet"]) == 130
+    assert capsys.readouterr().err == "ckptkit: interrupted\n"
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    calls["n"] = 0
+    assert main(["unshard", str(source.path), str(kept), "--quiet"]) == 130
+    assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
 def test_one_folder_holds_one_checkpoint(written, tmp_path):

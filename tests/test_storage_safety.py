@@ -642,8 +642,7 @@ def test_unsafe_output_names_are_refused(tmp_path, name):
     with pytest.raises(OutputNameError):
         output.refuse_existing([name])
     output.discard()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert list(dst.iterdir()) == []
+    assert list(tmp_path.iterdir()) == []  # the folder made for the output went with it
 
 
 def test_output_names_written_twice_or_as_file_and_folder_are_refused(tmp_path):
@@ -669,7 +668,7 @@ def test_disk_full_is_a_destination_error_naming_the_file(tmp_path):
             stream.flush()
     assert info.value.errno == errno.ENOSPC
     assert str(dst / "model.pt") in str(info.value) and "no space left" in str(info.value)
-    assert list(dst.iterdir()) == []
+    assert not dst.exists()
 
 
 def test_file_size_limit_while_unsharding_leaves_nothing(small_dcp, tmp_path):
@@ -709,7 +708,7 @@ def test_name_too_long_is_a_destination_error(tmp_path):
         output.open("m" * 300 + ".pt")
     assert info.value.errno == errno.ENAMETOOLONG
     output.discard()
-    assert list(dst.iterdir()) == []
+    assert not dst.exists()
 
 
 def test_a_folder_under_a_final_name_is_not_replaced(tmp_path):
