@@ -83,19 +83,17 @@ def sizes_text(frame: pd.DataFrame) -> str:
 def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
     """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, bytes by group,
     dtype and rank, and the ``top`` largest tensors."""
-    from .tables import human_bytes
+    from .tables import human_bytes, readable
 
     summary = ckpt.summary()
     tensors = ckpt.tensors
-    largest = tensors.nlargest(top, "nbytes")[
-        ["key", "dtype", "shape", "nbytes", "n_chunks", "sharded_dims"]
-    ]
-    largest = largest.assign(nbytes=largest["nbytes"].map(human_bytes))
-    by_group = summary.by_group.assign(
-        nbytes=summary.by_group["nbytes"].map(human_bytes),
-        object_bytes=summary.by_group["object_bytes"].map(human_bytes),
+    largest = readable(
+        tensors.nlargest(top, "nbytes")[
+            ["key", "dtype", "shape", "nbytes", "n_chunks", "sharded_dims"]
+        ]
     )
-    by_rank = summary.by_rank.assign(size=summary.by_rank["size"].map(human_bytes))
+    by_group = readable(summary.by_group)
+    by_rank = readable(summary.by_rank)
     lines = [
         f"{ckpt.format} checkpoint {ckpt.url}",
         f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {summary.files} files, "
@@ -105,7 +103,7 @@ def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
         by_group.to_string(),
         "",
         "by dtype:",
-        summary.by_dtype.assign(nbytes=summary.by_dtype["nbytes"].map(human_bytes)).to_string(),
+        readable(summary.by_dtype).to_string(),
         "",
         *(["by rank:", by_rank[["size", "records"]].to_string(), ""] if summary.ranked else []),
         f"largest {len(largest)} tensors:",

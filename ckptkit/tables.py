@@ -211,7 +211,7 @@ class Summary:
         if self.ranked:
             tables.append(("by rank", self.by_rank))
         for title, frame in tables:
-            parts.append(f"<h4>{title}</h4>{frame.to_html()}")
+            parts.append(f"<h4>{title}</h4>{readable(frame).to_html()}")
         return "".join(parts)
 
     def __str__(self) -> str:
@@ -266,6 +266,20 @@ def summarize(
         by_group, by_dtype, by_file, by_rank, parameters, total_bytes, counted, n_files,
         metadata_bytes,
     )  # fmt: skip
+
+
+#: Columns that hold byte counts, shown in human units where people read them.
+BYTE_COLUMNS = ("nbytes", "object_bytes", "size", "tensor_bytes", "overhead_bytes")
+
+
+def readable(frame: pd.DataFrame) -> pd.DataFrame:
+    """A copy of ``frame`` for display: byte columns in human units (``1.2 MB``); the frames
+    ckptkit returns keep raw integers for arithmetic."""
+    shown = frame.copy()
+    for column in BYTE_COLUMNS:
+        if column in shown:
+            shown[column] = [human_bytes(v) if v == v else "" for v in shown[column]]
+    return shown
 
 
 def object_bytes_by_group(catalog: Catalog) -> dict[str, int]:
