@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 import ckptkit
+from ckptkit.tables import human_bytes
 
 from oracle import (
     assert_bit_equal,
@@ -72,6 +73,9 @@ def test_tables_describe_fsdp2_sharding(written):
     assert summary.parameters == int(tensors.loc[tensors["group"] == "model", "numel"].sum())
     assert set(summary.by_group.index) == {"model", "optim", "train"}
     assert summary.by_rank["size"].sum() == sum(on_disk.values())
+    assert summary.ranked and summary.by_group["nbytes"].dtype == "int64"  # raw for arithmetic
+    model_bytes = human_bytes(summary.by_group.loc["model", "nbytes"])
+    assert f"<td>{model_bytes}</td>" in summary._repr_html_()  # human units where people read
 
 
 def test_column_sharded_chunks(written):
