@@ -31,8 +31,8 @@ LAYER_PATTERN = r"(?:^|\.)((?:blocks|layers|layer|h)\.(\d+))\."
 _SEGMENTS = {
     "group": [
         ("model", "model", "tab:blue"),
-        ("optimizer", "optimizer", "tab:orange"),
-        ("trainer", "trainer", "tab:green"),
+        ("optim", "optim", "tab:orange"),
+        ("train", "train", "tab:green"),
         ("other", "other", "tab:purple"),
         ("overhead_bytes", "framing overhead", "tab:red"),
         ("metadata_bytes", "metadata files", "tab:gray"),
@@ -106,8 +106,8 @@ _NON_DTYPE_COLUMNS = {
     "size",
     "ratio",
     "model",
-    "optimizer",
-    "trainer",
+    "optim",
+    "train",
     "other",
     "tensor_bytes",
     "object_bytes",

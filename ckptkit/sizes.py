@@ -19,16 +19,17 @@ if TYPE_CHECKING:
     from .catalog import Catalog
 
 #: The columns group bytes are summed into, in display order.
-CATEGORIES = ("model", "optimizer", "trainer", "other")
+CATEGORIES = ("model", "optim", "train", "other")
 #: Top-level group name (lower-cased) → category; unlisted names starting with ``model`` or
-#: ``optim`` go to model / optimizer, anything else to ``other``.
+#: ``optim`` go to model / optim, anything else to ``other``. Categories carry the commonest
+#: group names (a DCP's ``optim`` and ``train``), so sizes and inspect say the same words.
 GROUP_CATEGORIES: dict[str, str] = {
     **dict.fromkeys(
         ["model", "module", "model_state_dict", "state_dict", "pytorch_model", "weights"], "model"
     ),
     **dict.fromkeys(
         ["optim", "optimizer", "optimizer_state_dict", "optim_state", "opt", "opt_state"],
-        "optimizer",
+        "optim",
     ),
     **dict.fromkeys(
         [
@@ -50,13 +51,13 @@ GROUP_CATEGORIES: dict[str, str] = {
             "dataloader",
             "data_loader",
         ],
-        "trainer",
+        "train",
     ),
 }
 
 
 def category(group: str, extra: Mapping[str, str] | None = None) -> str:
-    """The category (model / optimizer / trainer / other) a top-level group's bytes count in."""
+    """The category (model / optim / train / other) a top-level group's bytes count in."""
     name = group.lower()
     if extra and group in extra:
         return extra[group]
@@ -65,7 +66,7 @@ def category(group: str, extra: Mapping[str, str] | None = None) -> str:
     if name.startswith("model"):
         return "model"
     if name.startswith("optim"):
-        return "optimizer"
+        return "optim"
     return "other"
 
 
@@ -78,7 +79,7 @@ def compare_sizes(
     """One row per checkpoint: bytes on disk, split by category and by dtype, and overhead.
 
     ``size`` is every file the checkpoint consists of (data files plus DCP ``.metadata``)
-    and equals ``model + optimizer + trainer + other + overhead_bytes + metadata_bytes``: group
+    and equals ``model + optim + train + other + overhead_bytes + metadata_bytes``: group
     columns hold stored tensor bytes plus object records (a pickle shared by groups of several
     categories counts as ``other``), ``overhead_bytes`` is framing in data files (zip headers,
     pickles around tensors, safetensors headers), ``metadata_bytes`` the index files. Dtype

@@ -299,7 +299,7 @@ def test_sample_sizes(samples, sample, tmp_path):
     assert sizes.loc["ws2", "records"] < sizes.loc["ws4", "records"]
     only = sizes.loc["model"]
     assert only["tensor_bytes"] == only["model"] == sizes.loc["ws2", "model"]
-    assert only["optimizer"] == only["trainer"] == 0
+    assert only["optim"] == only["train"] == 0
     text = ckptkit.sizes_text(sizes)
     assert "ws4" in text and "x" in text
 

@@ -83,8 +83,8 @@ def test_size_plots_draw_what_the_frame_says(plots, ws2, unsharded):
     by = {
         "group": {
             "model": "model",
-            "optimizer": "optimizer",
-            "trainer": "trainer",
+            "optim": "optim",
+            "train": "train",
             "other": "other",
             "framing overhead": "overhead_bytes",
             "metadata files": "metadata_bytes",

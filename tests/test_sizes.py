@@ -41,11 +41,11 @@ def test_compare_sizes_matches_files_on_disk(ws2, unsharded):
         assert row["files"] == len(list(path.iterdir())), label
         assert row["tensor_bytes"] == _tensor_bytes(reference), label
         assert row["model"] == _tensor_bytes(reference["model"]), label  # buffers are tensors
-        parts = ["model", "optimizer", "trainer", "other", "overhead_bytes", "metadata_bytes"]
+        parts = ["model", "optim", "train", "other", "overhead_bytes", "metadata_bytes"]
         assert row[parts].sum() == row["size"], label
         assert row[["float32", "bfloat16", "int64"]].sum() == row["tensor_bytes"], label
     assert frame.loc["ckpt", "metadata_bytes"] == (ws2.path / ".metadata").stat().st_size
-    assert frame.loc["ckpt", "trainer"] > 0 and frame.loc["st", "other"] == 0
+    assert frame.loc["ckpt", "train"] > 0 and frame.loc["st", "other"] == 0
     assert frame.loc["ckpt", "ratio"] == 1.0
     assert frame.loc["pt", "ratio"] == pytest.approx(
         frame.loc["pt", "size"] / frame.loc["ckpt", "size"]
@@ -55,7 +55,7 @@ def test_compare_sizes_matches_files_on_disk(ws2, unsharded):
     (header,) = struct.unpack("<Q", (st / "model.safetensors").read_bytes()[:8])
     assert model["overhead_bytes"] == 8 + header
     assert model["size"] == (st / "model.safetensors").stat().st_size
-    assert model["optimizer"] == 0 and model["records"] == len(reference["model"])
+    assert model["optim"] == 0 and model["records"] == len(reference["model"])
     # one zip record per tensor chunk in DCP: more framing than in the unsharded files
     assert frame.loc["ckpt", "overhead_bytes"] > 10 * frame.loc["st", "overhead_bytes"]
 
@@ -63,7 +63,7 @@ def test_compare_sizes_matches_files_on_disk(ws2, unsharded):
 def test_compare_sizes_labels_and_categories(ws2):
     frame = ckptkit.compare_sizes(str(ws2.path), labels=["run"], categories={"train": "other"})
     assert frame.index.tolist() == ["run"]
-    assert frame.loc["run", "trainer"] == 0 and frame.loc["run", "other"] > 0
+    assert frame.loc["run", "train"] == 0 and frame.loc["run", "other"] > 0
     with pytest.raises(ValueError):
         ckptkit.compare_sizes(str(ws2.path), labels=["a", "b"])
 
