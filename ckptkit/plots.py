@@ -59,7 +59,7 @@ def _unit(largest: float) -> tuple[float, str]:
 def plot_sizes(frame: pd.DataFrame, *, by: str = "group", ax: Axes | None = None) -> Axes:
     """Stacked horizontal bars, one per checkpoint of a :func:`compare_sizes` frame.
 
-    ``by="group"``: model / optimizer / trainer / other, framing overhead and metadata files;
+    ``by="group"``: model / optim / train / other, framing overhead and metadata files;
     ``by="dtype"``: tensor bytes per dtype, then objects, overhead and metadata. Each bar is
     labelled with its total and its ratio to the first checkpoint.
     """
