@@ -28,6 +28,7 @@ ZIP_MAGIC = b"PK\x03\x04"
 #: Pre-1.6 torch.save files are bare pickles, the first a 10-byte magic number (protocol 2).
 LEGACY_MAGIC = MAGIC_PREFIX
 
+
 def group_of(name: str) -> str:
     """The group a file in a directory holds (:func:`ckptkit.output_names.group_of_file`), or
     the whole name when it has no checkpoint suffix."""
