@@ -49,7 +49,7 @@ demo: $(STAMP)
 	$(BIN)/ckptkit inspect $(SAMPLE)
 ifneq ($(NOTEBOOKS),)
 	mkdir -p $(NB_OUT)
-	$(BIN)/jupyter nbconvert --to html --execute \
+	CKPTKIT_SAMPLES=$(abspath build/samples) $(BIN)/jupyter nbconvert --to html --execute \
 		--ExecutePreprocessor.timeout=600 \
 		--ExecutePreprocessor.kernel_name=python3 \
 		--output-dir $(NB_OUT) $(NOTEBOOKS)
