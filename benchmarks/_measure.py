@@ -18,7 +18,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +175,23 @@ def load_line(before: dict[str, Any]) -> str:
         f"Load average (1 min) at start / end: {before['loadavg'][0]:.2f} / "
         f"{os.getloadavg()[0]:.2f} on {before['cpus']} CPUs (other jobs share this machine)."
     )
+
+
+def runs_json(runs: Mapping[str, Sequence[Run]]) -> dict[str, list[dict[str, Any]]]:
+    """Every individual run, for the JSON file: the child's outer wall and CPU time, its peak
+    RSS and what it reported itself."""
+    return {
+        name: [
+            {
+                "process_wall_s": r.wall_s,
+                "process_cpu_s": r.cpu_s,
+                "peak_rss_mib": r.peak_rss_mib,
+                **r.report,
+            }
+            for r in results
+        ]
+        for name, results in runs.items()
+    }
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

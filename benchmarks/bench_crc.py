@@ -29,6 +29,7 @@ from _measure import (  # noqa: E402
     python_argv,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -124,7 +125,7 @@ def main() -> None:
             "repeat": args.repeat,
             "environment": {"before": before, "after_loadavg": environment()["loadavg"]},
             "medians": stats,
-            "runs": {name: [r.report for r in results] for name, results in runs.items()},
+            "runs": runs_json(runs),
         },
     )
 

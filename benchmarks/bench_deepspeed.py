@@ -44,6 +44,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -567,18 +568,7 @@ def main() -> None:
             "medians": stats,
             "goals": goals,
             "checks": checks,
-            "runs": {
-                name: [
-                    {
-                        "process_wall_s": r.wall_s,
-                        "process_cpu_s": r.cpu_s,
-                        "peak_rss_mib": r.peak_rss_mib,
-                        **r.report,
-                    }
-                    for r in results
-                ]
-                for name, results in runs.items()
-            },
+            "runs": runs_json(runs),
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_deepspeed.json'}")

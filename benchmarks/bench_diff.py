@@ -35,6 +35,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -262,13 +263,7 @@ def main() -> None:
             "rss_above_baseline_mib": above,
             "checks": {"statuses": statuses_ok, "self_equal": self_ok, "max_abs": max_abs_ok},
             "goal": {"rss_above_baseline_mib": GOAL_RSS_MIB, "value": worst, "met": met},
-            "runs": {
-                k: [
-                    {"wall_s": r.wall_s, "cpu_s": r.cpu_s, "peak_rss_mib": r.peak_rss_mib}
-                    for r in v
-                ]
-                for k, v in runs.items()
-            },
+            "runs": runs_json(runs),
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_diff.json'}")

@@ -32,6 +32,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -206,13 +207,7 @@ def main() -> None:
             "median_peak_rss_mib": rss,
             "torch_free_check": check,
             "goal": {"wall_s": GOAL_S, "value": wall[CLI], "met": met},
-            "runs": {
-                k: [
-                    {"wall_s": r.wall_s, "cpu_s": r.cpu_s, "peak_rss_mib": r.peak_rss_mib}
-                    for r in v
-                ]
-                for k, v in runs.items()
-            },
+            "runs": runs_json(runs),
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_inspect.json'}")

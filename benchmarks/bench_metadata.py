@@ -30,6 +30,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -317,13 +318,7 @@ def main() -> None:
             "environment": {"before": env_before, "after_loadavg": list(os.getloadavg())},
             "medians": stats,
             "goals": goals,
-            "runs": {
-                name: [
-                    {"process_wall_s": r.wall_s, "peak_rss_mib": r.peak_rss_mib, **r.report}
-                    for r in results
-                ]
-                for name, results in runs.items()
-            },
+            "runs": runs_json(runs),
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_metadata.json'}")

@@ -54,6 +54,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -353,10 +354,7 @@ def main() -> None:
             "needed_bytes": needed,
             "stats": stats,
             "goals": goals,
-            "runs": {
-                name: [{"wall_s": r.wall_s, **r.report} for r in results]
-                for name, results in runs.items()
-            },
+            "runs": runs_json(runs),
         },
     )
 

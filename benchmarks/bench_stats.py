@@ -40,6 +40,7 @@ from _measure import (  # noqa: E402
     ratio,
     repeat_interleaved,
     run,
+    runs_json,
     write_json,
 )
 
@@ -278,18 +279,7 @@ def main() -> None:
             "medians": stats,
             "goals": goals,
             "check": check,
-            "runs": {
-                k: [
-                    {
-                        "wall_s": r.wall_s,
-                        "cpu_s": r.cpu_s,
-                        "peak_rss_mib": r.peak_rss_mib,
-                        **r.report,
-                    }
-                    for r in v
-                ]
-                for k, v in runs.items()
-            },  # fmt: skip
+            "runs": runs_json(runs),
         },
     )
     progress(f"wrote {OUT_DIR / name}")

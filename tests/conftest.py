@@ -60,6 +60,15 @@ def mutant(ws2, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ws4_resave(ws2, tmp_path_factory) -> Path:
+    """ws2's model re-saved from 4 ranks, split by columns where they divide
+    (``writers.write_resave``); written once for the diff and stats tests."""
+    path = tmp_path_factory.mktemp("resave") / "ws4"
+    writers.write_resave(path, ws2.reference_path, 4)
+    return path
+
+
+@pytest.fixture(scope="session")
 def unsharded(ws2, tmp_path_factory) -> Path:
     """ws2 unsharded by ckptkit: ``<root>/st`` (safetensors) and ``<root>/pt`` (torch.save)."""
     import ckptkit

@@ -8,13 +8,10 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptkit
 from ckptkit import tensor_blocks
 from ckptkit.cli import main
-from ckptkit.examples import _spawn
 
 from isolated import run_script
 from oracle import torch_keys
@@ -30,31 +27,6 @@ class Marker:
 
     def __init__(self, value: int) -> None:
         self.value = value
-
-
-def _resave_rank(rank: int, world_size: int, reference_path: str, path: str) -> None:
-    """Rank body: the reference model re-saved from ``world_size`` ranks, 2-D tensors split by
-    columns where they divide (Shard(1)), the rest by rows."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = torch.load(reference_path, weights_only=False)["model"]
-
-    def placement(t: torch.Tensor) -> Shard:
-        return Shard(1) if t.ndim == 2 and t.shape[1] % world_size == 0 else Shard(0)
-
-    state = {
-        k: distribute_tensor(v, mesh, [placement(v)]) if v.ndim else v for k, v in model.items()
-    }
-    dcp.save({"model": state}, storage_writer=FileSystemWriter(path))
-
-
-@pytest.fixture(scope="module")
-def ws4_resave(ws2, tmp_path_factory):
-    path = tmp_path_factory.mktemp("resave") / "ws4"
-    _spawn(_resave_rank, 4, str(ws2.reference_path), str(path))
-    return path
 
 
 def _statuses(frame) -> dict[str, str]:

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptkit
 from ckptkit.cli import main
-from ckptkit.examples import _spawn
 from ckptkit.reading import Reader
 
 from oracle import lookup, raw_bytes, torch_keys
@@ -156,31 +155,6 @@ def test_fingerprint_is_sha256_of_dtype_shape_and_canonical_bytes(special):
         header = f"\0{str(tensor.dtype).removeprefix('torch.')}\0[{shape}]\0".encode()
         digest = STATS.hashlib.sha256(STATS.TENSOR_DOMAIN + header + raw).hexdigest()
         assert frame.loc[f"model.{name}", "fingerprint"] == digest, name
-
-
-def _resave_rank(rank: int, world_size: int, reference_path: str, path: str) -> None:
-    """Rank body: ws2's reference model re-saved from ``world_size`` ranks, 2-D tensors split
-    by columns where they divide (Shard(1): chunks that do not tile rows), the rest by rows."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = torch.load(reference_path, weights_only=False)["model"]
-
-    def placement(t: torch.Tensor) -> Shard:
-        return Shard(1) if t.ndim == 2 and t.shape[1] % world_size == 0 else Shard(0)
-
-    state = {
-        k: distribute_tensor(v, mesh, [placement(v)]) if v.ndim else v for k, v in model.items()
-    }
-    dcp.save({"model": state}, storage_writer=FileSystemWriter(path))
-
-
-@pytest.fixture(scope="module")
-def ws4_resave(ws2, tmp_path_factory):
-    path = tmp_path_factory.mktemp("stats-resave") / "ws4"
-    _spawn(_resave_rank, 4, str(ws2.reference_path), str(path))
-    return path
 
 
 def test_fingerprints_equal_across_formats_and_world_sizes(ws2, unsharded, ws4_resave):

@@ -295,6 +295,28 @@ def write_fsdp2_rank_files(
     return path
 
 
+def _resave_rank(rank: int, world_size: int, reference_path: str, path: str) -> None:
+    """Rank body of :func:`write_resave`."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = torch.load(reference_path, weights_only=False)["model"]
+
+    def placement(t: torch.Tensor) -> Shard:
+        return Shard(1) if t.ndim == 2 and t.shape[1] % world_size == 0 else Shard(0)
+
+    state = {
+        k: distribute_tensor(v, mesh, [placement(v)]) if v.ndim else v for k, v in model.items()
+    }
+    dcp.save({"model": state}, storage_writer=FileSystemWriter(path))
+
+
+def write_resave(
+    path: str | os.PathLike, reference_path: str | os.PathLike, world_size: int
+) -> None:
+    """A reference model re-saved by ``dcp.save`` from ``world_size`` ranks, 2-D tensors split
+    by columns where they divide (Shard(1): chunks that do not tile rows), the rest by rows."""
+    _spawn(_resave_rank, world_size, str(reference_path), str(path))
+
+
 def write_hf_safetensors(root: pathlib.Path, tensors: dict[str, torch.Tensor], split: int) -> dict:
     """An HF-sharded safetensors folder written by the safetensors library: the sorted names up
     to ``split`` in shard 1, the rest in shard 2, plus ``model.safetensors.index.json`` (returned)."""
