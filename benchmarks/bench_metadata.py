@@ -1,9 +1,14 @@
-"""Metadata at scale: read a 2,000-key x 256-rank DCP ``.metadata`` (512k chunks) vs torch.
+"""Metadata at scale: read 2,000-key DCP ``.metadata`` files of 256 and 1,024 ranks (512k and
+2M chunks) vs torch.
 
-Generates (once, cached in ``benchmarks/out/``) a ``.metadata`` pickled from torch's own DCP
-classes, then measures in fresh processes: torch's ``pickle.load`` and
-``FileSystemReader.read_metadata`` (anchors) and ``ckptkit.open(dir).tensors`` / ``.chunks``
-with torch made unimportable. Usage: ``python benchmarks/bench_metadata.py [--repeat N]``.
+Generates (once, cached in ``benchmarks/out/``) a ``.metadata`` per scale pickled from torch's
+own DCP classes, then measures in fresh processes: torch's ``pickle.load`` and
+``FileSystemReader.read_metadata`` (anchors, at the first scale only unless
+``--anchors-every-scale``) and ``ckptkit.open(dir).tensors`` / ``.chunks`` with torch made
+unimportable. Prints the goals (512k chunks: open + .tensors <= 3 s and <= 500 MiB peak RSS;
+2M chunks: linear, i.e. per-chunk wall and RSS within 1.25x of 512k's) as MET or MISSED.
+Usage: ``python benchmarks/bench_metadata.py [--repeat N] [--scales 2000x256,2000x1024]
+[--code-root DIR]`` (``--code-root``: import ckptkit from another checkout, for before/after).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import os
 import pickle
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +27,7 @@ from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
     cached_input,
+    child_env,
     environment,
     load_line,
     markdown_table,
@@ -38,9 +45,13 @@ N_KEYS = 2000
 N_RANKS = 256
 SHAPE = (4096, 1024)  # float32, sharded along dim 0 into N_RANKS chunks
 GENERATOR_VERSION = 1
-GOAL_TOTAL_S = 4.0
-GOAL_PEAK_MIB = 600.0
+GOAL_TOTAL_S = 3.0  # at 512k chunks (issue 18)
+GOAL_PEAK_MIB = 500.0  # peak RSS of the whole child, imports included
+#: Largest scale's per-chunk cost (wall, RSS above the import baseline) over the smallest's.
+GOAL_LINEAR = 1.25
+SCALES = "2000x256,2000x1024"
 ELSEWHERE = "pickle.load with torch's classes: 17 s / 1.3 GB (measured elsewhere)"
+ANCHORS = ("anchor A: pickle.load (torch classes)", "anchor B: FileSystemReader.read_metadata")
 
 
 def key_name(k: int) -> str:
@@ -127,8 +138,9 @@ def ensure_metadata(n_keys: int, n_ranks: int) -> Path:
     )
 
 
-def jobs(directory: Path) -> dict[str, Any]:
-    """The child processes to measure, by name."""
+def jobs(directory: Path, *, anchors: bool, code_root: Path | None) -> dict[str, Any]:
+    """The child processes to measure, by name (torch's anchors only with ``anchors``);
+    ckptkit children import it from ``code_root`` when given."""
     path = str(directory / ".metadata")
     codes = {
         "baseline: import torch.distributed.checkpoint": """
@@ -172,7 +184,8 @@ def jobs(directory: Path) -> dict[str, Any]:
             t3, c3 = time.perf_counter(), time.process_time()
             _report(import_s=t1 - t0, open_s=t2 - t1, tensors_s=t3 - t2, total_s=t3 - t1,
                     cpu_s=c3 - c1, rows=len(frame),
-                    torch_loaded=sys.modules.get("torch") is not None)
+                    torch_loaded=sys.modules.get("torch") is not None,
+                    ckptkit_file=ckptkit.__file__)
             """,
         "ckptkit: open + .chunks": f"""
             import ckptkit
@@ -185,9 +198,24 @@ def jobs(directory: Path) -> dict[str, Any]:
                     rows=len(frame), torch_loaded=sys.modules.get("torch") is not None)
             """,
     }
+    if not anchors:
+        codes = {
+            k: v for k, v in codes.items() if not k.startswith(("anchor", "baseline: import t"))
+        }
+    env = child_env()
+    if code_root is not None:  # first on sys.path (``python -c`` puts the cwd, the repo, first)
+        env["PYTHONPATH"] = os.pathsep.join([str(code_root), env["PYTHONPATH"]])
+        codes = {
+            name: f"sys.path.insert(0, {str(code_root)!r})\n" + textwrap.dedent(code)
+            for name, code in codes.items()
+        }
     # ckptkit children run with torch blocked: proof that it is not needed
     return {
-        name: (lambda code=code, block="ckptkit" in name: run(python_argv(code, block_torch=block)))
+        name: (
+            lambda code=code, block="ckptkit" in name: run(
+                python_argv(code, block_torch=block), env=env
+            )
+        )
         for name, code in codes.items()
     }
 
@@ -204,38 +232,42 @@ def summarize(runs: dict[str, list[Run]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def report(stats: dict[str, dict[str, float]], repeat: int) -> tuple[str, dict[str, Any]]:
-    """The markdown table and goal lines, plus the goal verdicts."""
-    base_torch = stats["baseline: import torch.distributed.checkpoint"]
+def report(stats: dict[str, dict[str, float]], repeat: int) -> str:
+    """The markdown table of one scale (anchor columns when torch's anchors were measured)."""
     base_ckpt = stats["baseline: import ckptkit, pandas (no torch)"]
-    anchor = stats["anchor A: pickle.load (torch classes)"]
-    a_s, a_rss = anchor["load_s"], anchor["peak_rss_mib"]
+    anchor = stats.get(ANCHORS[0])
     tens = stats["ckptkit: open + .tensors"]
     chunks = stats["ckptkit: open + .chunks"]
 
     def row(label: str, wall: float, stat: dict[str, float] | None, base: float | None) -> list:
         """Table row; ``stat`` (the whole measurement) adds CPU, RSS and the RSS ratio."""
-        compare = base is not None
+        compare = base is not None and anchor is not None
         return [
             label,
             f"{wall:.2f}",
             "—" if stat is None else f"{stat['cpu_s']:.2f}",
             "—" if stat is None else f"{stat['peak_rss_mib']:.0f}",
             "—" if stat is None or base is None else f"{stat['peak_rss_mib'] - base:.0f}",
-            ratio(wall, a_s) if compare or stat is None else "—",
-            "—" if stat is None else ratio(stat["cpu_s"], anchor["cpu_s"]) if compare else "—",
-            ratio(stat["peak_rss_mib"], a_rss) if compare and stat is not None else "—",
+            ratio(wall, anchor["load_s"]) if compare else "—",
+            ratio(stat["cpu_s"], anchor["cpu_s"]) if compare and stat is not None else "—",
+            ratio(stat["peak_rss_mib"], anchor["peak_rss_mib"]) if compare and stat else "—",
         ]
 
-    b = stats["anchor B: FileSystemReader.read_metadata"]
-    torch_rss, ckpt_rss = base_torch["peak_rss_mib"], base_ckpt["peak_rss_mib"]
-    rows = [
-        row("baseline: import torch.distributed.checkpoint", base_torch["import_s"], base_torch,
-            None),
+    ckpt_rss = base_ckpt["peak_rss_mib"]
+    rows = []
+    if anchor is not None:
+        base_torch = stats["baseline: import torch.distributed.checkpoint"]
+        torch_rss = base_torch["peak_rss_mib"]
+        b = stats[ANCHORS[1]]
+        rows += [
+            row("baseline: import torch.distributed.checkpoint", base_torch["import_s"],
+                base_torch, None),
+            row("anchor A: pickle.load with torch classes", anchor["load_s"], anchor, torch_rss),
+            row("anchor B: FileSystemReader(dir).read_metadata()", b["load_s"], b, torch_rss),
+        ]  # fmt: skip
+    rows += [
         row("baseline: import ckptkit + pandas (torch blocked)", base_ckpt["import_s"], base_ckpt,
             None),
-        row("anchor A: pickle.load with torch classes", a_s, anchor, torch_rss),
-        row("anchor B: FileSystemReader(dir).read_metadata()", b["load_s"], b, torch_rss),
         row("ckptkit.open(dir)", tens["open_s"], None, None),
         row(f"  .tensors ({int(tens['rows']):,} rows; imports pandas)", tens["tensors_s"], None,
             None),
@@ -254,71 +286,125 @@ def report(stats: dict[str, dict[str, float]], repeat: int) -> tuple[str, dict[s
         "CPU / anchor A",
         "RSS / anchor A",
     ]
-    goals = {
-        "total_s": {"goal": GOAL_TOTAL_S, "value": tens["total_s"]},
-        "peak_rss_mib": {"goal": GOAL_PEAK_MIB, "value": tens["peak_rss_mib"]},
+    return markdown_table(headers, rows)
+
+
+def _verdict(value: float, goal: float, unit: str) -> str:
+    if value <= goal:
+        return f"MET ({value:.2f}{unit} <= {goal:g}{unit})"
+    return f"MISSED by {value - goal:.2f}{unit} ({value:.2f}{unit} > {goal:g}{unit})"
+
+
+def goals(by_scale: dict[str, dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
+    """Goal lines and verdicts: 512k chunks (or the smallest scale) within time and RSS, the
+    largest scale linear in chunks (wall and RSS above the import baseline per chunk)."""
+    scales = sorted(by_scale.values(), key=lambda s: s["chunks"])
+    small, large = scales[0], scales[-1]
+    tens = small["medians"]["ckptkit: open + .tensors"]
+    verdicts: dict[str, Any] = {
+        "total_s": {"goal": GOAL_TOTAL_S, "value": tens["total_s"], "chunks": small["chunks"]},
+        "peak_rss_mib": {
+            "goal": GOAL_PEAK_MIB,
+            "value": tens["peak_rss_mib"],
+            "chunks": small["chunks"],
+        },
     }
-    for goal in goals.values():
-        goal["met"] = goal["value"] <= goal["goal"]
     lines = [
-        f"Medians of {repeat} fresh processes each, run round-robin on a shared machine. Wall s",
-        "and CPU s (process_time, less sensitive to other users' load) time only the named step",
-        "inside the child (imports excluded; .tensors includes the lazy pandas import). Peak RSS",
-        "is the child's ru_maxrss (imports included). MiB = 2^20 B.",
-        "",
-        markdown_table(headers, rows),
-        "",
-        f"Goal: ckptkit open + .tensors <= {GOAL_TOTAL_S:g} s: "
-        f"{'MET' if goals['total_s']['met'] else 'MISSED'} ({tens['total_s']:.2f} s wall, "
-        f"{tens['cpu_s']:.2f} s CPU)",
-        f"Goal: ckptkit peak RSS <= {GOAL_PEAK_MIB:g} MiB: "
-        f"{'MET' if goals['peak_rss_mib']['met'] else 'MISSED'} ({tens['peak_rss_mib']:.0f} MiB)",
-        f"For reference, {ELSEWHERE}.",
+        f"Goal at {small['chunks']:,} chunks: ckptkit open + .tensors <= {GOAL_TOTAL_S:g} s wall: "
+        + _verdict(tens["total_s"], GOAL_TOTAL_S, " s")
+        + f" ({tens['cpu_s']:.2f} s CPU)",
+        f"Goal at {small['chunks']:,} chunks: peak RSS <= {GOAL_PEAK_MIB:g} MiB: "
+        + _verdict(tens["peak_rss_mib"], GOAL_PEAK_MIB, " MiB")
+        + f" ({small['rss_over_base']:.0f} MiB above the import baseline)",
     ]
-    return "\n".join(lines), goals
+    if large is not small:
+        growth = large["chunks"] / small["chunks"]
+        for what, key in (("wall", "total_s"), ("CPU", "cpu_s"), ("RSS", "rss_over_base")):
+            a = small[key] if key == "rss_over_base" else tens[key]
+            big = large["medians"]["ckptkit: open + .tensors"]
+            b = large[key] if key == "rss_over_base" else big[key]
+            per_chunk = (b / large["chunks"]) / (a / small["chunks"])
+            verdicts[f"linear_{key}"] = {"goal": GOAL_LINEAR, "value": per_chunk}
+            lines.append(
+                f"Goal {large['chunks']:,} chunks linear ({what} per chunk <= {GOAL_LINEAR:g}x "
+                f"that at {small['chunks']:,}): {_verdict(per_chunk, GOAL_LINEAR, 'x')} "
+                f"({a:.2f} -> {b:.2f} for {growth:.1f}x the chunks)"
+            )
+    for verdict in verdicts.values():
+        verdict["met"] = verdict["value"] <= verdict["goal"]
+    return lines, verdicts
 
 
 def main() -> None:
-    """Generate the metadata if needed, measure, print the table and write the JSON."""
+    """Generate the metadata if needed, measure each scale, print the tables, goals, JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
-    parser.add_argument("--keys", type=int, default=N_KEYS)
-    parser.add_argument("--ranks", type=int, default=N_RANKS)
+    parser.add_argument("--scales", default=SCALES, help="KEYSxRANKS,... (default %(default)s)")
+    parser.add_argument("--anchors-every-scale", action="store_true")
+    parser.add_argument("--code-root", type=Path, help="import ckptkit from this checkout")
     args = parser.parse_args()
 
     env_before = environment()
-    directory = ensure_metadata(args.keys, args.ranks)
-    size_mb = (directory / ".metadata").stat().st_size / 2**20
-    progress(f"{directory}/.metadata: {size_mb:.1f} MiB")
-    runs = repeat_interleaved(jobs(directory), args.repeat)
-
-    tens = runs["ckptkit: open + .tensors"]
-    chunks = runs["ckptkit: open + .chunks"]
-    if any(r.report["torch_loaded"] for r in tens + chunks):
-        raise SystemExit("torch was loaded by ckptkit")
-    n_chunks = runs["anchor A: pickle.load (torch classes)"][0].report["chunks"]
-    if tens[0].report["rows"] != args.keys or chunks[0].report["rows"] != n_chunks:
-        raise SystemExit("ckptkit row counts disagree with torch's metadata")
-
-    stats = summarize(runs)
-    text, goals = report(stats, args.repeat)
+    by_scale: dict[str, dict[str, Any]] = {}
+    all_runs: dict[str, Any] = {}
+    for i, scale in enumerate(args.scales.split(",")):
+        n_keys, n_ranks = (int(x) for x in scale.split("x"))
+        directory = ensure_metadata(n_keys, n_ranks)
+        size_mb = (directory / ".metadata").stat().st_size / 2**20
+        progress(f"{directory}/.metadata: {size_mb:.1f} MiB")
+        anchors = i == 0 or args.anchors_every_scale
+        runs = repeat_interleaved(
+            jobs(directory, anchors=anchors, code_root=args.code_root), args.repeat
+        )
+        tens = runs["ckptkit: open + .tensors"]
+        chunks = runs["ckptkit: open + .chunks"]
+        if any(r.report["torch_loaded"] for r in tens + chunks):
+            raise SystemExit("torch was loaded by ckptkit")
+        imported = tens[0].report["ckptkit_file"]
+        if args.code_root is not None and not imported.startswith(str(args.code_root)):
+            raise SystemExit(f"ckptkit was imported from {imported}, not --code-root")
+        n_chunks = n_keys * n_ranks
+        if anchors and runs[ANCHORS[0]][0].report["chunks"] != n_chunks:
+            raise SystemExit("torch's metadata does not hold the chunks generated")
+        if tens[0].report["rows"] != n_keys or chunks[0].report["rows"] != n_chunks:
+            raise SystemExit("ckptkit row counts disagree with the metadata generated")
+        stats = summarize(runs)
+        base = stats["baseline: import ckptkit, pandas (no torch)"]["peak_rss_mib"]
+        by_scale[scale] = {
+            "keys": n_keys,
+            "ranks": n_ranks,
+            "chunks": n_chunks,
+            "metadata_mib": size_mb,
+            "medians": stats,
+            "rss_over_base": stats["ckptkit: open + .tensors"]["peak_rss_mib"] - base,
+        }
+        all_runs[scale] = runs_json(runs)
+        print(
+            f"## bench_metadata: {n_keys:,} keys x {n_ranks} ranks = {n_chunks:,} chunks, "
+            f".metadata {size_mb:.1f} MiB\n"
+        )
+        print(report(stats, args.repeat) + "\n", flush=True)
+    lines, verdicts = goals(by_scale)
     print(
-        f"## bench_metadata: {args.keys:,} keys x {args.ranks} ranks = {n_chunks:,} chunks, "
-        f".metadata {size_mb:.1f} MiB\n"
+        f"Medians of {args.repeat} fresh processes each, run round-robin on a shared machine. "
+        "Wall s and CPU s (process_time, less sensitive to other users' load) time only the\n"
+        "named step inside the child (imports excluded; .tensors includes the lazy pandas "
+        "import). Peak RSS is the child's ru_maxrss (imports included). MiB = 2^20 B.\n"
     )
-    print(text)
+    print("\n".join(lines))
+    print(f"For reference, {ELSEWHERE}.")
+    print(f"ckptkit imported from {imported}")
     print(load_line(env_before))
     write_json(
         OUT_DIR / "bench_metadata.json",
         {
             "benchmark": "bench_metadata",
-            "params": {"keys": args.keys, "ranks": args.ranks, "chunks": n_chunks},
-            "metadata_mib": size_mb,
+            "scales": by_scale,
             "repeat": args.repeat,
+            "code_root": None if args.code_root is None else str(args.code_root),
             "environment": {"before": env_before, "after_loadavg": list(os.getloadavg())},
-            "medians": stats,
-            "goals": goals,
-            "runs": runs_json(runs),
+            "goals": verdicts,
+            "runs": all_runs,
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_metadata.json'}")

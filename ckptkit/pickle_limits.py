@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -120,9 +120,16 @@ _SKIP = _fast_pattern().match
 
 def nesting_bound(data: bytes | memoryview) -> int:
     """How deep tuples built by ``data`` could nest at most: its count of nesting opcode bytes
-    (opcodes or not), found at ``bytes.count`` speed."""
+    (opcodes or not), found in one C pass (``bytes.translate`` deleting them)."""
     raw = bytes(data) if isinstance(data, memoryview) else data
-    return sum(raw.count(bytes([op])) for op in NESTING_OPCODES)
+    return len(raw) - len(raw.translate(None, NESTING_OPCODES))
+
+
+class _NeedMore(Exception):
+    """The opcode being scanned continues past the bytes at hand: up to ``end`` at least."""
+
+    def __init__(self, end: int) -> None:
+        self.end = end
 
 
 def _refuse(source: str, what: str) -> PickleLimitError:
@@ -130,24 +137,43 @@ def _refuse(source: str, what: str) -> PickleLimitError:
 
 
 class _Parser:
-    """Steps over one opcode at a time, checking what the C unpickler would trust."""
+    """Steps over one opcode at a time, checking what the C unpickler would trust.
 
-    def __init__(self, data: bytes | memoryview, limits: Limits, source: str) -> None:
+    ``data`` may be a window of the pickle: it starts ``base`` bytes in, and the whole pickle
+    is ``total`` bytes long (default: ``data`` is all of it). An opcode running past the
+    window but not past the pickle raises :class:`_NeedMore`."""
+
+    def __init__(
+        self,
+        data: bytes | memoryview,
+        limits: Limits,
+        source: str,
+        *,
+        base: int = 0,
+        total: int | None = None,
+    ) -> None:
         self.data, self.limits, self.source = data, limits, source
         self.n = len(data)
-        self.frame_end = -1  # absolute end of the current protocol-4 frame, -1 outside one
+        self.base = base
+        self.total = self.n if total is None else total - base  # the pickle's end, in data
+        self.frame_end = -1  # end of the current protocol-4 frame in data, -1 outside one
 
     def end(self) -> int:
-        return self.frame_end if self.frame_end >= 0 else self.n
+        return self.frame_end if self.frame_end >= 0 else self.total
 
     def need(self, pos: int, size: int, op: int) -> None:
         """Bytes ``[pos, pos + size)`` must exist, inside the current frame if in one."""
         if pos + size > self.end():
-            if self.frame_end >= 0 and self.frame_end <= self.n:
+            if self.frame_end >= 0:
                 raise CorruptRecordError(
-                    f"{self.source}: opcode 0x{op:02x} at {pos} straddles the end of a frame"
+                    f"{self.source}: opcode 0x{op:02x} at {self.base + pos} straddles the end "
+                    "of a frame"
                 )
-            raise CorruptRecordError(f"{self.source}: pickle data is truncated (at {pos})")
+            raise CorruptRecordError(
+                f"{self.source}: pickle data is truncated (at {self.base + pos})"
+            )
+        if pos + size > self.n:
+            raise _NeedMore(pos + size)
 
     def step(self, pos: int) -> tuple[int, int, Any]:
         """``(opcode, next position, argument)`` of the opcode at ``pos``; the argument is the
@@ -171,9 +197,9 @@ class _Parser:
             self.need(pos, 1 + width, op)
             length = int.from_bytes(data[pos + 1 : pos + 1 + width], "little", signed=signed)
             if length < 0:
-                raise CorruptRecordError(f"{self.source}: negative length at {pos}")
+                raise CorruptRecordError(f"{self.source}: negative length at {self.base + pos}")
             if is_int and length > limits.max_int_bytes:
-                raise _refuse(self.source, f"an integer of {length} bytes at {pos}")
+                raise _refuse(self.source, f"an integer of {length} bytes at {self.base + pos}")
             self.need(pos, 1 + width + length, op)
             return op, pos + 1 + width + length, length
         if op == _FRAME:
@@ -189,9 +215,9 @@ class _Parser:
         """Start the protocol-4 frame announced at ``pos``; the position after its header."""
         self.need(pos, 9, _FRAME)
         if self.frame_end >= 0:
-            raise CorruptRecordError(f"{self.source}: frame inside a frame at {pos}")
+            raise CorruptRecordError(f"{self.source}: frame inside a frame at {self.base + pos}")
         length = int.from_bytes(self.data[pos + 1 : pos + 9], "little")
-        if pos + 9 + length > self.n:
+        if pos + 9 + length > self.total:
             raise CorruptRecordError(f"{self.source}: pickle data is truncated (frame)")
         self.frame_end = pos + 9 + length
         return pos + 9
@@ -200,44 +226,79 @@ class _Parser:
         """``(next position, lines)`` of the protocol-0 opcode at ``pos``; checks PUT's index."""
         data, found, at = self.data, [], pos + 1
         for _ in range(lines):
-            newline = bytes(data[at : min(at + _MAX_LINE, self.end())]).find(b"\n")
+            line_end = min(at + _MAX_LINE, self.end())
+            newline = bytes(data[at:line_end]).find(b"\n")
             if newline < 0:
-                raise CorruptRecordError(f"{self.source}: unterminated line at {at}")
+                if line_end > self.n:  # the line may end in bytes not read yet
+                    raise _NeedMore(self.n + 1)
+                raise CorruptRecordError(f"{self.source}: unterminated line at {self.base + at}")
             found.append(bytes(data[at : at + newline]))
             at += newline + 1
         if op == _PUT:
             try:
                 index = int(found[0])
             except ValueError as exc:
-                raise CorruptRecordError(f"{self.source}: bad PUT at {pos}") from exc
+                raise CorruptRecordError(f"{self.source}: bad PUT at {self.base + pos}") from exc
             self.check_memo(index, pos)
         return at, found
 
     def bad_opcode(self, op: int, pos: int) -> PickleLimitError | CorruptRecordError:
         """The error for an opcode ckptkit refuses or that does not exist."""
+        pos += self.base
         if op in _REFUSED:
             return _refuse(self.source, f"opcode {_REFUSED[op]} at {pos}")
         return CorruptRecordError(f"{self.source}: invalid pickle opcode 0x{op:02x} at {pos}")
 
     def check_memo(self, index: int, pos: int) -> None:
         # A pickler numbers memo entries 0, 1, 2…, one per PUT: never above the position.
+        pos += self.base
         if index < 0 or index > min(self.limits.max_memo, pos):
             raise _refuse(self.source, f"memo index {index} at byte {pos}")
 
 
 def scan(data: bytes | memoryview, limits: Limits, source: str) -> None:
     """Check every opcode of ``data`` up to STOP without building anything (see module doc)."""
-    if len(data) > limits.max_bytes:
-        raise _refuse(source, f"{len(data)} bytes (limit {limits.max_bytes})")
-    parser = _Parser(data, limits, source)
-    pos = 0
+    scan_pieces([data], limits, source)
+
+
+def scan_pieces(pieces: Sequence[bytes | memoryview], limits: Limits, source: str) -> None:
+    """:func:`scan` of the pickle that ``pieces`` make up when joined, without joining them:
+    a window moves over the pieces, holding beyond the piece being scanned only an opcode
+    that spans pieces (joined once it is whole), so a pickle read in pieces is scanned, then
+    fed to the unpickler piece by piece, and never held twice."""
+    total = sum(map(len, pieces))
+    if total > limits.max_bytes:
+        raise _refuse(source, f"{total} bytes (limit {limits.max_bytes})")
+    remaining = iter(pieces)
+    window: bytes | memoryview = b""
+    base = pos = 0  # the window's offset in the pickle; the next opcode's in the window
+    frame_end, want = -1, 1  # want: bytes from pos on that the next opcode needs
     while True:
-        pos = _SKIP(data, pos, parser.end()).end()
-        if pos >= parser.n:
+        parts = [window[pos:]] if pos < len(window) else []
+        have = len(window) - pos
+        for piece in remaining:
+            parts.append(piece)
+            have += len(piece)
+            if have >= want:
+                break
+        if have < want or not parts:
             raise CorruptRecordError(f"{source}: pickle data is truncated (no STOP)")
-        op, pos, _ = parser.step(pos)
-        if op == _STOP:
-            return
+        window = parts[0] if len(parts) == 1 else b"".join(parts)
+        base, frame_end = base + pos, frame_end - pos if frame_end >= 0 else -1
+        parser = _Parser(window, limits, source, base=base, total=total)
+        parser.frame_end = frame_end
+        pos = 0
+        try:
+            while True:
+                pos = _SKIP(window, pos, parser.end()).end()
+                if pos >= parser.n:
+                    raise _NeedMore(parser.n + 1)
+                op, after, _ = parser.step(pos)
+                if op == _STOP:
+                    return
+                pos = after
+        except _NeedMore as more:  # pos: where the unfinished opcode starts
+            frame_end, want = parser.frame_end, more.end - pos
 
 
 # --------------------------------------------------------------------------------------------

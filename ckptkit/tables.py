@@ -5,15 +5,20 @@ Only ``files`` (sizes on disk) and ``objects`` (previews) touch storage; none re
 
 from __future__ import annotations
 
+import math
 import reprlib
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import attrgetter
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
 
-from .catalog import Catalog, Entry, shared
+from .catalog import Catalog, Encoding, Entry, shared
+from .unpickler import paused_gc
 
 _preview_repr = reprlib.Repr()
 _preview_repr.maxstring = 60
@@ -54,41 +59,37 @@ def _sharded_dims(entry: Entry) -> tuple[int | str, ...]:
 
 
 def chunks_table(catalog: Catalog) -> pd.DataFrame:
-    """One row per stored tensor chunk: its box in the tensor and its bytes in a file."""
-    rows = []
-    for entry in catalog.tensors():
-        for chunk in entry.chunks:
-            record = chunk.record
-            rows.append(
-                (
-                    entry.key,
-                    chunk.offsets,
-                    chunk.sizes,
-                    chunk.numel,
-                    chunk.rank,
-                    record.file if record else None,
-                    record.offset if record else None,
-                    record.length if record else 0,
-                    record.encoding.value if record else None,
-                    record.transform if record else None,
-                )
-            )
-    columns = [
-        "key",
-        "offsets",
-        "sizes",
-        "numel",
-        "rank",
-        "file",
-        "offset",
-        "length",
-        "encoding",
-        "transform",
-    ]
-    frame = pd.DataFrame(rows, columns=columns)
-    for column in ("rank", "offset"):
-        frame[column] = frame[column].astype("Int64")
-    return frame
+    """One row per stored tensor chunk: its box in the tensor and its bytes in a file.
+
+    Built column by column (C-level ``map`` over the chunks) with the GC paused: DCP metadata
+    at scale has 500k chunks."""
+    with paused_gc(promote=True):
+        entries = catalog.tensors()
+        chunks = [chunk for entry in entries for chunk in entry.chunks]
+        records = [_NO_RECORD if r is None else r for r in map(_RECORD, chunks)]
+        sizes = list(map(_SIZES, chunks))
+        numel = {box: math.prod(box) for box in set(sizes)}  # the builder checked the boxes
+        columns = {
+            "key": list(chain.from_iterable(repeat(e.key, len(e.chunks)) for e in entries)),
+            "offsets": list(map(_OFFSETS, chunks)),
+            "sizes": sizes,
+            "numel": list(map(numel.__getitem__, sizes)),
+            "rank": pd.array(list(map(_RANK, chunks)), dtype="Int64"),
+            "file": list(map(_FILE, records)),
+            "offset": pd.array(list(map(_OFFSET, records)), dtype="Int64"),
+            "length": list(map(_LENGTH, records)),
+            "encoding": list(map(_ENCODING_VALUES.get, map(_ENCODING, records))),
+            "transform": list(map(_TRANSFORM, records)),
+        }
+        return pd.DataFrame(columns)
+
+
+#: What a chunk without a record shows in the chunks table.
+_NO_RECORD = SimpleNamespace(file=None, offset=None, length=0, encoding=None, transform=None)
+_RECORD, _OFFSETS, _SIZES, _RANK = (attrgetter(a) for a in ("record", "offsets", "sizes", "rank"))
+_FILE, _OFFSET, _LENGTH = attrgetter("file"), attrgetter("offset"), attrgetter("length")
+_ENCODING, _TRANSFORM = attrgetter("encoding"), attrgetter("transform")
+_ENCODING_VALUES = {encoding: encoding.value for encoding in Encoding}
 
 
 def files_table(catalog: Catalog, sizes: dict[str, int | None]) -> pd.DataFrame:
