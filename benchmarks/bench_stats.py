@@ -8,7 +8,9 @@ to /dev/null (the read floor), a baseline (import ckptkit + pandas, open), and
 ``ckptkit.stats`` with fingerprints (the one pass the goal is about), without fingerprints,
 and ``ckptkit.fingerprint`` alone. Checks once that the statistics of two tensors equal
 torch's on the fully loaded tensors. Goals: stats wall <= 1.5 x cp; peak RSS above the
-baseline <= largest tensor + 64 MiB.
+baseline <= largest tensor + 64 MiB. Two more rows open the checkpoint with
+``verify_crc=False``: what checking the stored CRC-32 of every record costs (it stays on by
+default: a corrupt record must raise a typed error, and a fingerprint detects nothing alone).
 Usage: ``python benchmarks/bench_stats.py [--repeat N] [--small]`` (``--small``: a 4 x
 [1024, 1024] input of its own, to check the script works in seconds).
 """
@@ -55,7 +57,9 @@ BASELINE = "baseline: import ckptkit, pandas + open"
 STATS = "ckptkit.stats (+ fingerprints)"
 STATS_ONLY = "ckptkit.stats(fingerprints=False)"
 FINGERPRINT = "ckptkit.fingerprint"
-JOBS = [CP, CAT, BASELINE, STATS, STATS_ONLY, FINGERPRINT]
+STATS_NO_CRC = "ckptkit.stats (+ fingerprints), verify_crc=False"
+STATS_ONLY_NO_CRC = "ckptkit.stats(fingerprints=False), verify_crc=False"
+JOBS = [CP, CAT, BASELINE, STATS, STATS_ONLY, FINGERPRINT, STATS_NO_CRC, STATS_ONLY_NO_CRC]
 CHECKED = [0, 23]  # tensors whose statistics are compared with torch's
 
 
@@ -107,12 +111,12 @@ def data_files(directory: Path) -> list[str]:
 # -- measurements ----------------------------------------------------------------------------
 
 
-def stats_argv(src: Path, call: str) -> list[str]:
+def stats_argv(src: Path, call: str, *, verify_crc: bool = True) -> list[str]:
     """A child that imports ckptkit and pandas, opens ``src``, then times ``call`` alone."""
     return python_argv(
         f"""
         import ckptkit, pandas
-        ckpt = ckptkit.open({str(src)!r})
+        ckpt = ckptkit.open({str(src)!r}, verify_crc={verify_crc!r})
         ckpt.catalog
         t0, c0 = time.perf_counter(), time.process_time()
         result = {call}
@@ -147,6 +151,10 @@ def jobs(src: Path) -> dict[str, Any]:
         STATS: lambda: run(stats_argv(src, "ckptkit.stats(ckpt)")),
         STATS_ONLY: lambda: run(stats_argv(src, "ckptkit.stats(ckpt, fingerprints=False)")),
         FINGERPRINT: lambda: run(stats_argv(src, "ckptkit.fingerprint(ckpt)")),
+        STATS_NO_CRC: lambda: run(stats_argv(src, "ckptkit.stats(ckpt)", verify_crc=False)),
+        STATS_ONLY_NO_CRC: lambda: run(
+            stats_argv(src, "ckptkit.stats(ckpt, fingerprints=False)", verify_crc=False)
+        ),
     }
 
 
@@ -261,6 +269,20 @@ def main() -> None:
         f"{verdict[goals['vs_cp']['met']]}); RSS over baseline {over:.0f} MiB (goal <= largest "
         f"tensor {tensor_mib:.0f} + {RSS_SLACK_MIB} = {goal_rss:.0f} MiB: "
         f"{verdict[goals['rss_over_baseline_mib']['met']]})"
+    )
+    cores = os.cpu_count() or 1
+    full, only = stats[STATS], stats[STATS_ONLY]
+    print(
+        f"- CPU-bound: stats (+ fingerprints) used {full['op_cpu_s']:.2f} CPU s, so on {cores} "
+        f"cores its wall is at least {full['op_cpu_s'] / cores:.2f} s = "
+        f"{full['op_cpu_s'] / cores / cp['op_s']:.2f} x cp; stats(fingerprints=False) wall / cp "
+        f"{only['op_s'] / cp['op_s']:.2f} (CPU {only['op_cpu_s']:.2f} s)"
+    )
+    print(
+        f"- not checking CRC-32 (verify_crc=False, not the default): stats (+ fingerprints) "
+        f"{stats[STATS_NO_CRC]['op_s']:.2f} s ({stats[STATS_NO_CRC]['op_s'] / cp['op_s']:.2f} x "
+        f"cp), stats(fingerprints=False) {stats[STATS_ONLY_NO_CRC]['op_s']:.2f} s "
+        f"({stats[STATS_ONLY_NO_CRC]['op_s'] / cp['op_s']:.2f} x cp)"
     )
     print(
         f"- checked: the statistics of {check['checked']} tensors equal torch's on the loaded "

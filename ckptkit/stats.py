@@ -1,10 +1,13 @@
 """Per-tensor statistics and content fingerprints of a checkpoint, in one streaming pass.
 
 Every tensor streams once through the reader (blocks of :data:`~ckptkit.tensor_blocks.BLOCK_ELEMENTS`
-elements, whatever the format and sharding). While the calling thread reads, one helper thread
-feeds the bytes to a SHA-256 and another accumulates the statistics in float64 (bfloat16 and
-fp8 decoded exactly) sub-block by sub-block, so memory stays at what the reader holds for the
-current tensor plus a few MB.
+elements, whatever the format and sharding). Each block's bytes go to a SHA-256 and its values
+to float64 statistics (bfloat16 and fp8 decoded exactly) accumulated sub-block by sub-block. Two
+"lanes" (threads) stream two tensors at once when the reader's buffers for both fit the memory
+goal (the largest tensor + 64 MiB), each lane handing the hashing to a helper thread: reading,
+CRC-32 checks, hashing and statistics release the GIL, so on two cores they all overlap.
+Otherwise one lane streams the tensors in turn, reading the next batch of records while its
+helper hashes the last (memory: what the reader holds for one tensor plus a few MB).
 
 The **fingerprint** of a tensor hashes its dtype, shape and canonical bytes (row-major,
 little-endian, as :meth:`Reader.iter_bytes` streams them), so it is the same for a DCP at any
@@ -19,8 +22,10 @@ do not, because each format pickles them differently.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import tensor_blocks
-from .catalog import Entry
+from .catalog import Chunk, Encoding, Entry, distinct_chunks
 from .diff import map_key
 from .dtypes import DType
 from .errors import KeyNotFoundError
 from .progress import ByteProgress
-from .reading import Reader
+from .reading import BATCH_BYTES, Reader
 from .source import Source, open_source
 
 if TYPE_CHECKING:
@@ -60,10 +65,8 @@ COLUMNS = [
 ]
 #: The statistics columns (what :func:`ckptkit.run` keeps per step).
 STAT_COLUMNS = COLUMNS[5:14]
-#: Elements converted to float64 at once: 512 KiB, so the passes over them stay in L2 cache.
-SUB_BLOCK = 1 << 16
-#: Blocks handed to the hashing thread and not yet hashed, at most (each ≤ 8 MiB).
-MAX_PENDING = 3
+#: Elements converted to float64 at once: 1 MiB, so the passes over them stay in L2 cache.
+SUB_BLOCK = 1 << 17
 #: Hashed before every tensor's dtype, shape and bytes, and every checkpoint's pairs: a
 #: different definition must change this, so old and new fingerprints never compare equal.
 TENSOR_DOMAIN = b"ckptkit.tensor.v1"
@@ -153,77 +156,179 @@ def tensor_rows(
     progress: bool = False,
 ) -> list[dict[str, Any]]:
     """A :data:`COLUMNS` row per tensor entry, each tensor streamed once (statistics NaN when
-    ``moments`` is False, fingerprints None when ``fingerprints`` is)."""
-    rows = []
+    ``moments`` is False, fingerprints None when ``fingerprints`` is). Two tensors stream at
+    once when what the reader holds for the two largest fits :func:`_two_lanes_fit`."""
     total = sum(e.nbytes for e in entries)
-    with _Workers(moments, fingerprints) as workers, ByteProgress(total, progress, "stats") as bar:
-        for entry in entries:
-            rows.append(_tensor_row(source.reader, entry, workers, bar))
+    with ByteProgress(total, progress, "stats") as bar:
+        if len(entries) > 1 and _two_lanes_fit(entries):
+            return _two_lanes(source.reader, entries, moments, fingerprints, bar)
+        with _Lane(moments, fingerprints, bar) as lane:
+            return [lane.row(source.reader, entry, lag=_held_bytes(entry)) for entry in entries]
+
+
+def _two_lanes(
+    reader: Reader, entries: Sequence[Entry], moments: bool, fingerprints: bool, bar: Any
+) -> list[dict[str, Any]]:
+    """The rows of ``entries``, two threads each taking the next tensor: every stage (read,
+    CRC-32, SHA-256, statistics) of one tensor then runs beside another tensor's, so both
+    cores work even where one stage (the reader's CRC, the hashing) is sequential."""
+    rows: list[dict[str, Any]] = [{}] * len(entries)
+    todo = iter(range(len(entries)))
+    lock, stop = threading.Lock(), threading.Event()
+    safe_bar = _LockedProgress(bar)
+
+    def work(lane: _Lane) -> None:
+        # a reader of its own: a reader keeps caches that are not safe across threads
+        own = Reader(reader.storage, reader.object_globals, verify_crc=reader.verify_crc)
+        while not stop.is_set():
+            with lock:
+                index = next(todo, None)
+            if index is None:
+                return
+            try:  # lag 0: a lane's helper is done with a block before the next is read
+                rows[index] = lane.row(own, entries[index], lag=0)
+            except BaseException:
+                stop.set()  # the other lane stops after its current tensor
+                raise
+
+    with (
+        _Lane(moments, fingerprints, safe_bar) as first,
+        _Lane(moments, fingerprints, safe_bar) as second,
+        ThreadPoolExecutor(2, thread_name_prefix="ckptkit-lane") as pool,
+    ):
+        futures = [pool.submit(work, first), pool.submit(work, second)]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            stop.set()
     return rows
 
 
-class _Workers:
-    """One thread hashing and one accumulating statistics while the calling thread reads the
-    next block (hashlib, numpy and file reads release the GIL). Each is a single thread, so a
-    tensor's blocks are taken in order; small tensors are handled inline (a hand-off costs
-    more than they do)."""
+class _LockedProgress:
+    """A progress bar two lanes update."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar, self.lock = bar, threading.Lock()
+
+    def update(self, n: int) -> None:
+        with self.lock:
+            self.bar.update(n)
+
+
+#: Two tensors stream at once only if what the reader holds for both stays within the largest
+#: tensor plus this (the goal: peak memory <= largest tensor + 64 MiB, the rest for buffers).
+LANE_SLACK = 32 << 20
+
+
+def _two_lanes_fit(entries: Sequence[Entry]) -> bool:
+    """True when the reader's buffers for the two tensors holding the most at once fit in the
+    largest tensor + :data:`LANE_SLACK` (a DCP's row shards do; two large safetensors do not)."""
+    held = sorted((_held_bytes(e) for e in entries), reverse=True)
+    return held[0] + held[1] <= max(e.nbytes for e in entries) + LANE_SLACK
+
+
+def _held_bytes(entry: Entry) -> int:
+    """About what the reader holds at once while it streams ``entry``: its largest batch of
+    records as :meth:`Reader.iter_bytes` groups them (by :data:`~ckptkit.reading.BATCH_BYTES`),
+    a decompressed copy per transformed record, and the whole tensor when its chunks are not
+    whole rows (it is assembled first). An estimate that only sizes the lanes' memory."""
+    if entry.dtype is None:
+        return 0
+    itemsize = entry.dtype.itemsize
+    chunks = [c for c in distinct_chunks(entry.chunks) if c.record is not None]
+    held = batch = batch_length = 0
+    for chunk in sorted(chunks, key=lambda c: c.offsets[:1]):
+        record, elements = chunk.record, chunk.numel * itemsize
+        if batch_length and batch_length + record.length > BATCH_BYTES:
+            batch = batch_length = 0
+        batch_length += record.length
+        batch += elements if record.encoding is Encoding.SAFETENSORS else record.length
+        batch += elements if record.transform else 0
+        held = max(held, batch)
+    if not _whole_rows(entry, chunks):
+        held += entry.nbytes
+    return held
+
+
+def _whole_rows(entry: Entry, chunks: list[Chunk]) -> bool:
+    """True when ``chunks`` are flat ranges or whole rows: they stream without assembly."""
+    if all(c.flat for c in chunks):
+        return True
+    shape = entry.shape or ()
+    return not any(c.flat or c.sizes[1:] != shape[1:] or any(c.offsets[1:]) for c in chunks)
+
+
+class _Lane:
+    """Streams tensors one at a time. A helper thread takes the heavier half of each block
+    (SHA-256 when fingerprinting, else the statistics) while this thread does the other half
+    and reads; hashlib, numpy and file reads release the GIL, so they overlap. Small tensors
+    are handled inline (a hand-off costs more than they do)."""
 
     #: Tensors smaller than this (bytes) are processed in the calling thread.
     INLINE = 1 << 18
 
-    def __init__(self, moments: bool, fingerprints: bool) -> None:
-        self.moments, self.fingerprints = moments, fingerprints
+    def __init__(self, moments: bool, fingerprints: bool, bar: Any) -> None:
+        self.moments, self.fingerprints, self.bar = moments, fingerprints, bar
         self.scratch = _Scratch() if moments else None
-        self.pools = [ThreadPoolExecutor(1, thread_name_prefix="ckptkit-stats") for _ in range(2)]
-        self.pending: deque[Future] = deque()
+        self.helper = ThreadPoolExecutor(1, thread_name_prefix="ckptkit-stats")
+        self.pending: deque[tuple[Future, int]] = deque()
+        self.pending_bytes = 0
 
-    def __enter__(self) -> _Workers:
+    def __enter__(self) -> _Lane:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pool in self.pools:
-            pool.shutdown(wait=True, cancel_futures=True)
+        self.helper.shutdown(wait=True, cancel_futures=True)
 
-    def submit(self, index: int, inline: bool, fn, *args: Any) -> None:
-        """``fn(*args)`` on worker ``index`` (0: hashing, 1: statistics), or here if ``inline``
-        (for every block of a tensor, never some: the worker takes them in order)."""
-        if inline:
-            fn(*args)
-            return
-        self.pending.append(self.pools[index].submit(fn, *args))
-        while len(self.pending) > MAX_PENDING * len(self.pools):
-            self.pending.popleft().result()
+    def row(self, reader: Reader, entry: Entry, lag: int) -> dict[str, Any]:
+        """Stream one tensor. ``lag``: the bytes of handed-off blocks that may be unfinished
+        when the next block is taken. 0 keeps the lane to one batch of records (the reader's
+        buffers are free before it reads on); a batch's size lets the next batch be read while
+        the helper hashes this one (within the tensor's own bytes). Every block is done with
+        before the row returns."""
+        acc = _Moments(self.scratch) if self.moments else None
+        digest = _tensor_digest(entry) if self.fingerprints else None
+        tasks = []
+        if digest is not None:
+            tasks.append(digest.update)
+        if acc is not None:
+            tasks.append(functools.partial(acc.add_bytes, dt=entry.dtype))
+        # the first task (the heavier) goes to the helper, unless the tensor is small
+        handed, *here = tasks if tasks and entry.nbytes >= self.INLINE else [None, *tasks]
+        try:
+            for block in tensor_blocks.blocks(reader, entry):
+                if handed is not None:
+                    self.pending.append((self.helper.submit(handed, block), len(block)))
+                    self.pending_bytes += len(block)
+                for task in here:
+                    task(block)
+                self.bar.update(len(block))
+                del block  # so the next read does not overlap a spent record
+                self._wait(lag)
+        finally:  # the tensor's bytes are done with before the next tensor is read
+            self._wait(0)
+        return {
+            "key": entry.key,
+            "group": entry.group,
+            "dtype": entry.dtype.name,
+            "shape": entry.shape,
+            "numel": entry.numel,
+            **(
+                acc.result(entry.numel)
+                if acc is not None
+                else dict.fromkeys(STAT_COLUMNS, math.nan)
+            ),
+            "fingerprint": digest.hexdigest() if digest is not None else None,
+        }
 
-    def drain(self) -> None:
-        """Wait for every block handed off (and raise what a worker raised)."""
-        while self.pending:
-            self.pending.popleft().result()
-
-
-def _tensor_row(reader: Reader, entry: Entry, workers: _Workers, bar) -> dict[str, Any]:
-    """Stream one tensor: its bytes to the hashing thread, its values to the statistics one."""
-    acc = _Moments(workers.scratch) if workers.moments else None
-    digest = _tensor_digest(entry) if workers.fingerprints else None
-    inline = entry.nbytes < workers.INLINE
-    try:
-        for block in tensor_blocks.blocks(reader, entry):
-            if digest is not None:
-                workers.submit(0, inline, digest.update, block)
-            if acc is not None:
-                workers.submit(1, inline, acc.add_bytes, block, entry.dtype)
-            bar.update(len(block))
-            del block  # so the next read does not overlap a spent record
-    finally:  # the tensor's bytes are done with before the next tensor is read
-        workers.drain()
-    return {
-        "key": entry.key,
-        "group": entry.group,
-        "dtype": entry.dtype.name,
-        "shape": entry.shape,
-        "numel": entry.numel,
-        **(acc.result(entry.numel) if acc is not None else dict.fromkeys(STAT_COLUMNS, math.nan)),
-        "fingerprint": digest.hexdigest() if digest is not None else None,
-    }
+    def _wait(self, lag: int) -> None:
+        """Wait until at most ``lag`` bytes of handed-off blocks are unfinished (and raise what
+        the helper raised)."""
+        while self.pending and (self.pending_bytes > lag or self.pending[0][0].done()):
+            future, size = self.pending.popleft()
+            self.pending_bytes -= size
+            future.result()
 
 
 def _tensor_digest(entry: Entry):
@@ -234,7 +339,7 @@ def _tensor_digest(entry: Entry):
 
 
 class _Scratch:
-    """Work arrays of one sub-block, allocated once per :func:`tensor_rows` call."""
+    """Work arrays of one sub-block, allocated once per lane."""
 
     def __init__(self) -> None:
         self.values = np.empty(SUB_BLOCK, np.float64)
@@ -245,11 +350,26 @@ class _Scratch:
 _NATIVE = frozenset(
     np.dtype(t) for t in ("<f4", "<f8", "<i8", "<i4", "<i2", "|i1", "<u8", "<u4", "<u2", "|u1")
 )
+#: Sums of squares are BLAS dot products of rows this long: OpenBLAS keeps a dot product of at
+#: most 10000 elements on the calling thread (longer ones wake its threads, which crawl on a
+#: busy machine), and one ``vecdot`` call does every row of a sub-block.
+DOT_ROW = 8192
+
+
+def _sum_squares(x: np.ndarray) -> float:
+    """Σ x² of a contiguous float64 vector (each row's dot product accurate to its length ×
+    float64 epsilon, rows summed pairwise)."""
+    rows = x.size // DOT_ROW
+    head = x[: rows * DOT_ROW].reshape(rows, DOT_ROW)
+    tail = x[rows * DOT_ROW :]
+    return float(np.add.reduce(np.vecdot(head, head))) + float(np.dot(tail, tail))
 
 
 class _Moments:
     """Running float64 statistics over the finite elements, merged sub-block by sub-block
-    (Chan et al.'s pairwise update: exact two-pass moments inside each sub-block)."""
+    (Chan et al.'s pairwise update). Inside a sub-block Σ(x − mean)² is Σx² − n·mean² when
+    that cancels at most 16 bits (relative error ~1e-11: values spread around their mean),
+    else an exact second pass (a large offset with a tiny spread)."""
 
     def __init__(self, scratch: _Scratch) -> None:
         self.scratch = scratch
@@ -265,14 +385,14 @@ class _Moments:
 
     def add_bytes(self, raw: memoryview, dt: DType) -> None:
         """Add the elements of ``dt`` in ``raw`` (whole elements, little-endian)."""
+        native = np.frombuffer(raw, np.dtype(dt.numpy)) if dt.numpy else None
+        if native is not None and native.dtype in _NATIVE and self._add_native(native):
+            return
         step = SUB_BLOCK * dt.itemsize
         for start in range(0, len(raw), step):
             piece = raw[start : start + step]
-            native = np.frombuffer(piece, np.dtype(dt.numpy)) if dt.numpy else None
-            if native is not None and native.dtype in _NATIVE:
-                self._add_native(native)
-            else:
-                self._add(self._float64(piece, dt, native))
+            values = native[start // dt.itemsize :][:SUB_BLOCK] if native is not None else None
+            self._add(self._float64(piece, dt, values))
 
     def _float64(self, raw: memoryview, dt: DType, values: np.ndarray | None) -> np.ndarray:
         """The elements as a float64 array this accumulator may overwrite."""
@@ -284,22 +404,32 @@ class _Moments:
         np.copyto(out, values, casting="unsafe")
         return out
 
-    def _add_native(self, values: np.ndarray) -> None:
-        """float32/64 and integers: min, max and zeros in their own type (exact, and several
-        times faster than in float64), the sums in float64."""
-        n = values.size
+    def _add_native(self, values: np.ndarray) -> bool:
+        """float32/64 and integers: min and max over the whole block in their own type (exact,
+        and several times faster than in float64), zeros and sums sub-block by sub-block in
+        float64. False (nothing added) when NaN or ±Inf is inside: the general path."""
+        if not values.size:
+            return True
         low, high = values.min(), values.max()
         if values.dtype.kind == "f" and not (math.isfinite(low) and math.isfinite(high)):
-            self._add(self._float64(None, None, values))  # NaN/Inf inside: the general path
-            return
-        self.zeros += int(np.count_nonzero(np.equal(values, 0, out=self.scratch.mask[:n])))
-        x = self.scratch.values[:n]
-        np.copyto(x, values, casting="unsafe")
-        self._merge(x, float(x.sum()), float(low), float(high))
+            return False
+        self.low = min(self.low, float(low))
+        self.high = max(self.high, float(high))
+        x_all, mask_all = self.scratch.values, self.scratch.mask
+        for start in range(0, values.size, SUB_BLOCK):
+            piece = values[start : start + SUB_BLOCK]
+            n = piece.size
+            x = x_all[:n]
+            np.copyto(x, piece, casting="unsafe")
+            self.zeros += int(np.count_nonzero(np.equal(x, 0, out=mask_all[:n])))
+            self._merge(x, float(np.add.reduce(x)))
+        return True
 
     def _add(self, x: np.ndarray) -> None:
         n = x.size
-        zero = np.equal(x, 0, out=self.scratch.mask[:n])
+        if not n:
+            return
+        zero = np.equal(x, 0, out=self.scratch.mask[:n]) if n <= SUB_BLOCK else np.equal(x, 0)
         self.zeros += int(np.count_nonzero(zero))
         total = float(x.sum())
         if not math.isfinite(total):  # NaN or ±Inf inside (or a float64 overflow)
@@ -311,22 +441,24 @@ class _Moments:
             if not x.size:
                 return
             total = float(x.sum())
-        self._merge(x, total, float(x.min()), float(x.max()))
+        self.low = min(self.low, float(x.min()))
+        self.high = max(self.high, float(x.max()))
+        self._merge(x, total)
 
-    def _merge(self, x: np.ndarray, total: float, low: float, high: float) -> None:
-        """Fold finite float64 values ``x`` (overwritten), their sum, min and max in."""
+    def _merge(self, x: np.ndarray, total: float) -> None:
+        """Fold finite float64 values ``x`` (overwritten) with sum ``total`` in."""
         n = x.size
-        self.low = min(self.low, low)
-        self.high = max(self.high, high)
         mean = total / n
-        x -= mean
-        np.multiply(x, x, out=x)  # not np.dot: BLAS threads crawl on a busy machine
-        m2 = float(x.sum())
+        squares = _sum_squares(x)
+        m2 = squares - total * mean
+        if m2 < squares * 2**-16:  # cancellation took more than 16 bits: two passes
+            x -= mean
+            m2 = _sum_squares(x)
         merged = self.count + n
         delta = mean - self.mean
         self.m2 += m2 + delta * delta * self.count * n / merged
         self.mean += delta * n / merged
-        self.sumsq += m2 + n * mean * mean
+        self.sumsq += squares
         self.count = merged
 
     def result(self, numel: int) -> dict[str, float]:

@@ -87,8 +87,8 @@ def test_stats_equal_torch_on_every_tensor_of_a_training_checkpoint(ws2):
 
 def special_state() -> dict[str, dict[str, torch.Tensor]]:
     """Tensors with what statistics get wrong: NaN/±Inf, zeros and -0.0, a large offset with a
-    tiny spread, bf16/fp8/fp16/int/bool/complex, empty and 0-d, and more elements than one
-    block (:data:`ckptkit.diff.BLOCK_ELEMENTS`) and one sub-block."""
+    tiny spread (and a moderate one), bf16/fp8/fp16/int/bool/complex, empty and 0-d, and more
+    elements than one block (:data:`ckptkit.diff.BLOCK_ELEMENTS`) and one sub-block."""
     gen = torch.Generator().manual_seed(7)
     big = 1000.0 + 1e-3 * torch.randn(1_200_000, generator=gen, dtype=torch.float64)
     holes = torch.randn(300_000, generator=gen)
@@ -98,6 +98,9 @@ def special_state() -> dict[str, dict[str, torch.Tensor]]:
     model = {
         "offset": big.to(torch.float32),
         "offset64": big.reshape(1200, 1000),
+        # a spread of 1e-2 around 1 (LayerNorm weights): Σx² − n·mean² cancels ~13 bits
+        "near_one": 1.0 + 1e-2 * torch.randn(300_000, generator=gen),
+        "near_ten64": 10.0 + 0.1 * torch.randn(300_000, generator=gen, dtype=torch.float64),
         "holes": holes.reshape(3, 100_000),
         "all_nan": torch.full((4,), math.nan),
         "bf16": (3 * torch.randn(200_001, generator=gen)).to(torch.bfloat16),
@@ -231,6 +234,65 @@ def test_memory_stays_bounded_for_a_large_tensor(special):
     # a block of 2**20 float64 elements (8 MiB) and sub-block buffers; never the float64 copy
     # of more than a sub-block (the tensor itself is memory-mapped, not allocated)
     assert peak < 12 * 2**20
+
+
+def test_two_lanes_and_one_lane_give_the_same_rows(ws2, monkeypatch):
+    """Two tensors stream at once when the reader's buffers for both fit the memory goal; the
+    rows are the same either way (each tensor's blocks are folded in the same order), also
+    with small blocks handed to the helper thread while the next ones are read."""
+    ckpt = ckptkit.open(str(ws2.path))
+    entries = STATS.select_tensors(ckpt, None, None)
+    monkeypatch.setattr(STATS.tensor_blocks, "BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(STATS._Lane, "INLINE", 0)  # every tensor through the helper thread
+    assert STATS._two_lanes_fit(entries)
+    two = ckptkit.stats(ckpt)
+    monkeypatch.setattr(STATS, "LANE_SLACK", -(1 << 62))
+    assert not STATS._two_lanes_fit(entries)
+    one = ckptkit.stats(ckpt)
+    pd.testing.assert_frame_equal(one, two)
+    reference = ws2.reference()
+    for _, row in one.iterrows():
+        assert_stats_match(row, lookup(reference, ckpt.entry(row["key"]).path), row["key"])
+    assert one.attrs["fingerprint"] == ckptkit.fingerprint(ckpt)
+
+
+def test_two_lanes_only_when_both_tensors_fit_the_memory_goal(ws2, tmp_path, monkeypatch):
+    """What the reader holds per tensor (its largest batch of records) decides whether two
+    tensors may stream at once: their sum must stay within the largest tensor + LANE_SLACK."""
+    (tmp_path / "st").mkdir()
+    save_file(
+        {"a": torch.zeros(1 << 18), "b": torch.ones(1 << 18)}, tmp_path / "st" / "m.safetensors"
+    )
+    pair = STATS.select_tensors(ckptkit.open(str(tmp_path / "st")), None, None)
+    assert [STATS._held_bytes(e) for e in pair] == [1 << 20, 1 << 20]  # the tensor's bytes
+    monkeypatch.setattr(STATS, "LANE_SLACK", (1 << 20) - 1)
+    assert not STATS._two_lanes_fit(pair)
+    monkeypatch.setattr(STATS, "LANE_SLACK", 1 << 20)
+    assert STATS._two_lanes_fit(pair)
+    # a DCP tensor saved by two ranks: both torch.save records in one batch, or one each
+    entry = ckptkit.open(str(ws2.path)).entry("model.blocks.0.fc1.weight")
+    lengths = sorted(c.record.length for c in entry.chunks)
+    assert len(lengths) == 2 and STATS._held_bytes(entry) == sum(lengths) > entry.nbytes
+    monkeypatch.setattr(STATS, "BATCH_BYTES", lengths[1])
+    assert STATS._held_bytes(entry) == lengths[1]
+
+
+def test_a_corrupt_record_raises_a_typed_error_naming_the_tensor(special, tmp_path):
+    """A flipped byte in one tensor's storage fails its CRC-32 check, whichever lane reads it;
+    with ``verify_crc=False`` it only changes that tensor's fingerprint."""
+    root, _ = special
+    shutil.copytree(root / "dcp", tmp_path / "dcp")
+    chunk = ckptkit.open(str(tmp_path / "dcp")).entry("model.offset").chunks[0]
+    path = tmp_path / "dcp" / chunk.record.file
+    data = bytearray(path.read_bytes())
+    data[chunk.record.offset + chunk.record.length // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckptkit.ChecksumError, match=r"model\.offset"):
+        ckptkit.stats(str(tmp_path / "dcp"))
+    good = ckptkit.stats(str(root / "dcp")).set_index("key")["fingerprint"]
+    bad = ckptkit.stats(ckptkit.open(str(tmp_path / "dcp"), verify_crc=False))
+    bad = bad.set_index("key")["fingerprint"]
+    assert good[good != bad].index.tolist() == ["model.offset"]
 
 
 def test_selection_and_errors(ws2):
