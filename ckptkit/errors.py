@@ -105,3 +105,8 @@ class DestinationError(StorageError):
 
 class UsageError(CheckpointError, ValueError):
     """The call's arguments are wrong (an unknown target, size, dtype or option value)."""
+
+
+class DistributedError(CheckpointError):
+    """A job spread over torch.distributed ranks failed: a rank raised (its rank, error type and
+    message are named, on every rank) or a rank was lost (died, or missed the timeout)."""
