@@ -6,16 +6,22 @@ row-sharded (``Shard(0)``) and one column-sharded (``Shard(1)``). Then measures 
 processes: ``cp -r`` of the directory (disk floor), a Python buffer-reusing copy (the
 user-space floor), ``dcp_to_torch_save`` (anchor), ``ckptkit.unshard(to="safetensors")`` and
 ``ckptkit.unshard(to="torch")``; checks once that ckptkit's outputs are bit-equal to torch's.
-Usage: ``python benchmarks/bench_unshard.py [--repeat N] [--layouts rows cols]``.
+``--chunks 100000 500000`` measures the per-chunk cost instead (or as well, with ``--layouts``):
+DCPs of that many small chunks (row-sharded [4, 8] fp32 DTensors, 2 gloo ranks, ``dcp.save``),
+µs per chunk for ckptkit → safetensors / → torch against the goal, beside ``dcp_to_torch_save``
+(stopped after ``ANCHOR_LIMIT_S`` and reported as skipped).
+Usage: ``python benchmarks/bench_unshard.py [--repeat N] [--layouts rows cols] [--chunks N ...]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _measure import (  # noqa: E402
     OUT_DIR,
+    REPO_ROOT,
+    REPORT_MARKER,
     Run,
     cached_input,
+    child_env,
     environment,
     load_line,
     markdown_table,
@@ -118,6 +127,61 @@ def ensure_source(layout: str) -> Path:
         params,
         f"from bench_unshard import write_source\nwrite_source(out, {LAYOUTS[layout]})",
         f"dcp.save from {WORLD_SIZE} ranks",
+    )
+
+
+#: Small-chunk scenario: DTensors of this shape, each row-sharded over ``WORLD_SIZE`` ranks,
+#: so a checkpoint of ``n`` chunks holds ``n / WORLD_SIZE`` tensors of 2 chunks each.
+SMALL_SHAPE = (4, 8)
+SMALL_GENERATOR_VERSION = 1
+
+
+def small_key(i: int) -> str:
+    """The key of small tensor ``i`` inside the ``model`` group."""
+    return f"blocks.{i // 100}.weight_{i % 100}"
+
+
+def _save_small_rank(rank: int, world_size: int, path: str, n_tensors: int) -> None:
+    """Rank body of :func:`write_small_source`: ``n_tensors`` row-sharded DTensors built from
+    each rank's local rows (no scatter), saved by ``dcp.save``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    rows = SMALL_SHAPE[0] // world_size
+    numel = rows * SMALL_SHAPE[1]
+    base = torch.arange(numel, dtype=torch.float32).reshape(rows, SMALL_SHAPE[1])
+    model = {}
+    for i in range(n_tensors):
+        local = base + float(i * SMALL_SHAPE[0] * SMALL_SHAPE[1] + rank * numel)
+        model[small_key(i)] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    dcp.save({"model": model}, storage_writer=FileSystemWriter(path))
+
+
+def write_small_source(path: Path, n_chunks: int) -> None:
+    """Write the small-chunk checkpoint of ``n_chunks`` chunks with torch's DCP from
+    ``WORLD_SIZE`` spawned gloo ranks."""
+    from ckptkit.examples import _spawn
+
+    _spawn(_save_small_rank, WORLD_SIZE, str(path), n_chunks // WORLD_SIZE)
+
+
+def ensure_small_source(n_chunks: int) -> Path:
+    """The cached small-chunk checkpoint of ``n_chunks`` chunks, generated if missing."""
+    params = {
+        "chunks": n_chunks,
+        "shape": list(SMALL_SHAPE),
+        "world_size": WORLD_SIZE,
+        "generator": SMALL_GENERATOR_VERSION,
+    }
+    return cached_input(
+        OUT_DIR / f"unshard_chunks_{n_chunks}",
+        params,
+        f"from bench_unshard import write_small_source\nwrite_small_source(out, {n_chunks})",
+        f"{n_chunks} small chunks, dcp.save from {WORLD_SIZE} ranks",
     )
 
 
@@ -383,12 +447,158 @@ def report(stats: dict[str, dict[str, float]], layouts: list[str], repeat: int) 
     return "\n".join(text), goals
 
 
+# -- small chunks ----------------------------------------------------------------------------
+
+GOAL_US_PER_CHUNK = 20.0
+#: dcp_to_torch_save is stopped (and reported as skipped) after this many seconds.
+ANCHOR_LIMIT_S = 300.0
+CHUNK_TOOLS = [CP, TORCH, SAFETENSORS, TORCH_SAVE]
+
+
+def run_limited(argv: list[str], limit_s: float) -> Run | None:
+    """:func:`_measure.run` with a time limit: None (the child killed) when it runs longer."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                env=child_env(), cwd=REPO_ROOT)  # fmt: skip
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - start > limit_s:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                return None
+            time.sleep(0.05)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if proc.returncode:
+        raise RuntimeError(f"benchmark child failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    report = next(
+        (json.loads(line[len(REPORT_MARKER) :]) for line in stdout.splitlines()
+         if line.startswith(REPORT_MARKER)),
+        {},
+    )  # fmt: skip
+    cpu = usage.ru_utime + usage.ru_stime
+    return Run(argv, wall, usage.ru_maxrss, cpu, proc.returncode, stdout, stderr, report)
+
+
+def verify_small(directory: Path, n_chunks: int) -> dict[str, Any]:
+    """Check ckptkit's safetensors and torch outputs of the small-chunk checkpoint against the
+    values the generator wrote (tensor ``i`` is ``arange(numel) + i * numel`` in row-major
+    order), in a child."""
+    code = f"""
+        import torch
+        from safetensors.torch import load_file
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from bench_unshard import SMALL_SHAPE, small_key
+        numel = SMALL_SHAPE[0] * SMALL_SHAPE[1]
+        n = {n_chunks} // {WORLD_SIZE}
+        expected = torch.arange(n * numel, dtype=torch.float32).reshape(n, *SMALL_SHAPE)
+        bad = []
+        for name, loaded in (
+            ("safetensors", load_file({str(directory / "st" / "model.safetensors")!r})),
+            ("torch", torch.load({str(directory / "pt" / "model.pt")!r}, weights_only=True)),
+        ):
+            if len(loaded) != n:
+                bad.append(f"{{name}}: {{len(loaded)}} tensors")
+            got = torch.stack([loaded[small_key(i)] for i in range(n)])
+            if not torch.equal(got, expected):
+                bad.append(f"{{name}}: values differ")
+        _report(keys=n, bad=bad)
+        """
+    return run(python_argv(code)).report
+
+
+def measure_chunks(n_chunks: int, repeat: int) -> dict[str, Any]:
+    """Every tool on the small-chunk checkpoint of ``n_chunks`` chunks (``repeat`` rounds;
+    dcp_to_torch_save once, skipped past :data:`ANCHOR_LIMIT_S`); medians, and the checks."""
+    src = ensure_small_source(n_chunks)
+    work = WORK / f"chunks_{n_chunks}"
+    results: dict[str, list[Run]] = {name: [] for name in [BASE_CKPTKIT, *CHUNK_TOOLS]}
+    remove(work)
+    progress(f"warm-up: cp -r {src.name}")
+    subprocess.run(["cp", "-r", str(src), str(work)], check=True)
+    remove(work)
+    work.mkdir(parents=True)
+    skipped = None
+    for round_no in range(1, repeat + 1):
+        results[BASE_CKPTKIT].append(run(baseline_argv(BASE_CKPTKIT, src)))
+        for tool in CHUNK_TOOLS:
+            if tool == TORCH and (round_no > 1 or skipped):
+                continue
+            dst = work / {CP: "cp", TORCH: "anchor", SAFETENSORS: "st", TORCH_SAVE: "pt"}[tool]
+            remove(dst)
+            if tool != CP:
+                dst.mkdir(parents=True)
+            found = run_limited(tool_argv(tool, src, dst), ANCHOR_LIMIT_S)
+            if found is None:
+                skipped = f"stopped after {ANCHOR_LIMIT_S:.0f} s"
+                progress(f"{n_chunks} chunks: {tool} {skipped}")
+                continue
+            results[tool].append(found)
+            progress(f"round {round_no}/{repeat}: {n_chunks} chunks: {tool}: {found.wall_s:.1f} s")
+            if tool in (CP, TORCH):
+                remove(dst)
+    progress(f"verifying the {n_chunks}-chunk outputs against the generated values")
+    check = verify_small(work, n_chunks)
+    remove(work)
+    if check["bad"]:
+        raise SystemExit(f"{n_chunks} chunks: outputs differ: {check}")
+    stats = summarize({name: runs for name, runs in results.items() if runs})
+    return {"chunks": n_chunks, "stats": stats, "anchor_skipped": skipped, "check": check}
+
+
+def report_chunks(found: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The table of one small-chunk scenario: µs per chunk against the goal, the unshard's
+    wall (open included) and with ``open`` (the metadata alone, its baseline row) taken off."""
+    n, stats = found["chunks"], found["stats"]
+    open_s = stats[BASE_CKPTKIT]["op_s"]
+    headers = ["measurement", "wall s", "CPU s", "peak RSS MiB", "µs/chunk wall",
+               "µs/chunk CPU", "µs/chunk wall after open", "goal"]  # fmt: skip
+    rows = [[f"{BASE_CKPTKIT} (open: metadata only)", f"{open_s:.2f}",
+             f"{stats[BASE_CKPTKIT]['op_cpu_s']:.2f}", f"{stats[BASE_CKPTKIT]['peak_rss_mib']:.0f}",
+             f"{open_s / n * 1e6:.1f}", "", "", ""]]  # fmt: skip
+    goals = {}
+    for tool in CHUNK_TOOLS:
+        s = stats.get(tool)
+        if s is None:
+            rows.append([tool, f"skipped: {found['anchor_skipped']}", "", "", "", "", "", ""])
+            continue
+        per_chunk = s["op_s"] / n * 1e6
+        after_open = (s["op_s"] - open_s) / n * 1e6 if tool in (SAFETENSORS, TORCH_SAVE) else None
+        verdict = ""
+        if after_open is not None:
+            met = per_chunk <= GOAL_US_PER_CHUNK
+            goals[tool] = {"us_per_chunk": per_chunk, "after_open": after_open, "met": met}
+            verdict = f"<= {GOAL_US_PER_CHUNK:.0f}: {'MET' if met else 'MISSED'}"
+        rows.append([tool, f"{s['op_s']:.2f}", f"{s['op_cpu_s']:.2f}",
+                     f"{s['peak_rss_mib']:.0f}", f"{per_chunk:.1f}",
+                     f"{s['op_cpu_s'] / n * 1e6:.1f}",
+                     "" if after_open is None else f"{after_open:.1f}", verdict])  # fmt: skip
+    title = f"### {n:,} chunks ({n // WORLD_SIZE:,} DTensors {list(SMALL_SHAPE)} fp32, 2 ranks)"
+    return "\n".join([title, "", markdown_table(headers, rows)]), goals
+
+
 def main() -> None:
     """Generate the inputs if needed, measure, verify, print the table and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=None)
+    parser.add_argument(
+        "--chunks", nargs="+", type=int, default=[],
+        help="small-chunk scenarios: checkpoints of this many chunks (e.g. 100000 500000)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.layouts is None:
+        args.layouts = [] if args.chunks else list(LAYOUTS)
+    if args.chunks:
+        main_chunks(args.chunks, args.repeat)
+    if not args.layouts:
+        return
 
     env_before = environment()
     start = time.perf_counter()
@@ -453,6 +663,40 @@ def main() -> None:
         },
     )
     progress(f"wrote {OUT_DIR / 'bench_unshard.json'}")
+
+
+def main_chunks(counts: list[int], repeat: int) -> None:
+    """Measure, check and print the small-chunk scenarios; their JSON beside the others'."""
+    env_before = environment()
+    WORK.mkdir(parents=True, exist_ok=True)
+    try:
+        found = [measure_chunks(n, repeat) for n in counts]
+    finally:
+        shutil.rmtree(WORK, ignore_errors=True)
+    goals = {}
+    print(f"## bench_unshard --chunks: per-chunk cost, medians of {repeat} fresh processes\n")
+    print(
+        "`wall s` times `ckptkit.unshard` inside the child, `open` (reading the metadata into\n"
+        "the catalog) included; `µs/chunk wall after open` takes the `open` row off, leaving\n"
+        "the tensor work. The goal is the whole unshard per chunk. On a busy machine the CPU\n"
+        "columns are the steadier reading.\n"
+    )
+    for result in found:
+        text, goals[result["chunks"]] = report_chunks(result)
+        print(text)
+        print(f"\nChecked: {result['check']['keys']:,} tensors x (model.safetensors, model.pt) "
+              "equal to the values the generator saved.\n")  # fmt: skip
+    print(load_line(env_before))
+    write_json(
+        OUT_DIR / "bench_unshard_chunks.json",
+        {
+            "benchmark": "bench_unshard --chunks",
+            "repeat": repeat,
+            "environment": {"before": env_before, "after_loadavg": list(os.getloadavg())},
+            "scenarios": [{k: v for k, v in r.items()} for r in found],
+            "goals": goals,
+        },
+    )
 
 
 if __name__ == "__main__":

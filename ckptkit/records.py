@@ -5,6 +5,7 @@ Pure functions over bytes already fetched; :mod:`ckptkit.reading` decides what t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -62,6 +63,9 @@ class TensorData:
     stride: tuple[int, ...]
     storage_offset: int
     buffer: memoryview
+    #: CRC-32 of all of ``buffer``, when it was just checked against the one the file stores
+    #: (a copy of the whole buffer can reuse it instead of computing it again).
+    crc32: int | None = None
 
 
 def zip_members(buf: memoryview, source: str) -> dict[str, Member]:
@@ -432,9 +436,11 @@ def decode_tensor_record(buf: bytes, source: str, *, verify_crc: bool = False) -
     )
     if not isinstance(ref, TensorRef):
         raise CorruptRecordError(f"{source}: record holds {type(ref).__name__}, not a tensor")
-    if verify_crc:
-        archive.check_crc([f"data/{ref.storage.key}"])
-    return archive.tensor(ref)
+    if not verify_crc:
+        return archive.tensor(ref)
+    archive.check_crc([f"data/{ref.storage.key}"])
+    checked = archive.members[f"{archive.prefix}data/{ref.storage.key}"].crc32
+    return dataclasses.replace(archive.tensor(ref), crc32=checked)
 
 
 def decode_object_record(
