@@ -195,16 +195,17 @@ class Checkpoint(Source):
 
         return config_table(self.config)
 
-    def verify(self, *, crc: bool = True) -> pd.DataFrame:
+    def verify(self, *, crc: bool = True, workers: int = 1) -> pd.DataFrame:
         """Check the whole checkpoint for damage: every file there with the sizes its records
         need, every record parsing and matching the metadata, CRC-32 of every stored record
-        (``crc=False`` skips that), every tensor covered once by its chunks. Reads all data.
+        (``crc=False`` skips that), every tensor covered once by its chunks. Reads all data,
+        on ``workers`` threads (and across the ranks of an initialised process group).
 
         Returns one row per problem (``file, key, problem, detail``); empty when it is sound.
         """
         from .verify import verify_checkpoint
 
-        return verify_checkpoint(self, crc=crc)
+        return verify_checkpoint(self, crc=crc, workers=workers)
 
     # -- display ---------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, distributed
 from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
 from .errors import CheckpointError, UsageError
@@ -63,7 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     sys.stdout = _PrintableStream(stdout)
     try:
-        code = args.run(args)
+        with distributed.from_environment() as ranks:  # under torchrun: a gloo process group
+            if ranks is not None and ranks.rank != 0:  # every rank has the result: one prints
+                sys.stdout = _PrintableStream(open(os.devnull, "w"))  # noqa: SIM115
+            code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except BrokenPipeError:  # e.g. `ckptkit inspect … | head`: the reader has what it wanted
@@ -267,7 +270,11 @@ def _add_unshard(commands) -> None:
         "write one unsharded file per group (model, optim, …), streaming in bounded memory",
         "  ckptkit unshard run/step3 out/\n"
         "  ckptkit unshard --groups model run/step3 out/ --to safetensors --max-shard-size 5GB\n"
-        "  ckptkit unshard run/step3 out/ --exclude 'optim.*' --dtype bf16",
+        "  ckptkit unshard run/step3 out/ --exclude 'optim.*' --dtype bf16\n"
+        "  ckptkit unshard run/step3 out/ --to safetensors --max-shard-size 2GB --workers 4\n"
+        "  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\\n"
+        "      -m ckptkit unshard s3://bucket/run/step3 s3://bucket/release/ --to safetensors \\\n"
+        "      --max-shard-size 5GB   # every rank writes its share of the shards",
     )
     _add_transfer_arguments(unshard)
     unshard.add_argument(
@@ -337,6 +344,7 @@ def _add_diff(commands) -> None:
         help=f"list every key (default: keys that are not equal, {DIFF_LIST_CAP} per status)",
     )
     diff.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_workers_argument(diff)
     _add_progress_arguments(diff)
     _add_remote_arguments(diff)
     diff.set_defaults(run=_diff)
@@ -375,8 +383,21 @@ def _add_verify(commands) -> None:
         action="store_false",
         help="skip CRC-32 checks (faster; sizes and structure are still checked)",
     )
+    _add_workers_argument(verify)
     _add_remote_arguments(verify)
     verify.set_defaults(run=_verify)
+
+
+def _add_workers_argument(parser: argparse.ArgumentParser) -> None:
+    """``--workers N``: threads in this process (under torchrun, in each rank)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="work on N threads at once (default 1); under torchrun the work is also spread "
+        "over the ranks",
+    )
 
 
 def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -384,6 +405,7 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dst", help="output directory (path or fsspec URL)")
     _add_selection_arguments(parser, exclude=True)
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    _add_workers_argument(parser)
     _add_progress_arguments(parser)
     _add_remote_arguments(parser)
     parser.add_argument(
@@ -423,6 +445,7 @@ def _unshard(args: argparse.Namespace) -> int:
         progress=_progress(args),
         objects=args.objects,
         exclude=args.exclude,
+        workers=args.workers,
         storage_options=_storage_options(args),
     )
     print(result)
@@ -442,6 +465,7 @@ def _convert(args: argparse.Namespace) -> int:
         progress=_progress(args),
         objects=args.objects,
         exclude=args.exclude,
+        workers=args.workers,
         storage_options=_storage_options(args),
     )
     print(result)
@@ -465,6 +489,7 @@ def _diff(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         atol=args.atol,
         progress=_progress(args, machine_output=args.json),
+        workers=args.workers,
         storage_options=_storage_options(args),
     )
     same = bool(frame["status"].isin(SAME).all())
@@ -508,7 +533,9 @@ def _sizes(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .verify import verify
 
-    frame = verify(args.path, crc=args.crc, storage_options=_storage_options(args))
+    frame = verify(
+        args.path, crc=args.crc, workers=args.workers, storage_options=_storage_options(args)
+    )
     if args.json:
         rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
         json.dump({"path": args.path, "ok": frame.empty, "problems": rows}, sys.stdout)

@@ -7,14 +7,16 @@ place only on success.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from . import dtypes, output_names
+from . import distributed, dtypes, output_names, work
 from .catalog import Chunk, Entry
 from .dtypes import DType
 from .errors import (
@@ -25,14 +27,16 @@ from .errors import (
     UsageError,
 )
 from .known_objects import decoded, opaque_names
-from .progress import ByteProgress
 from .reading import Reader
 from .source import Source, open_source
 from .state_dict import nest
-from .storage import Storage, atomic_output
+from .storage import AtomicOutput, Storage, atomic_output
 from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
 from .writers import torch_save
+
+if TYPE_CHECKING:
+    from .distributed import Ranks
 
 Target = Literal["torch", "safetensors", "dcp"]
 #: What unshard/convert do with an object holding classes ckptkit does not decode: write it
@@ -115,6 +119,7 @@ def unshard(
     progress: bool = True,
     objects: ObjectPolicy = "keep",
     exclude: Sequence[str] | str | None = None,
+    workers: int = 1,
 ) -> UnshardResult:
     """Write the checkpoint ``src`` unsharded into the directory ``dst``, one file per group.
 
@@ -128,26 +133,106 @@ def unshard(
     listed in the result's ``opaque``), left out (``"drop"``) or refused (``"error"``); nothing
     of them runs here. Memory stays at about the largest tensor; nothing appears under a
     final name unless everything succeeded, and existing files are kept unless ``overwrite``.
+
+    The output files are a plan's work items: ``workers`` threads write several at once, and
+    inside an initialised torch.distributed process group (e.g. under ``torchrun``) each rank
+    writes its share, balanced by bytes, and the files appear only when every rank succeeded.
     """
     if to not in ("torch", "safetensors"):
         raise UsageError(f"to must be 'torch' or 'safetensors', not {to!r}")
+    work.check_workers(workers)
     source = open_source(src, storage_options)
     cast = dtypes.dtype(dtype) if dtype is not None else None
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     destination = Storage(dst, storage_options)
     result = UnshardResult(destination.describe())
     entries, values = _selected_values(source, keys, groups, exclude, objects, result)
-    plans = _plans(entries, values, to, limit, cast)
-    total = sum(e.numel * _out_dtype(e.dtype, cast).itemsize for e in entries if e.kind == "tensor")
-    with atomic_output(destination, overwrite=overwrite) as output:
-        names = [name for plan in plans for name in plan.names]
+    tasks = [task for plan in _plans(entries, values, to, limit, cast) for task in plan.tasks()]
+    ranks = distributed.current()
+    total = sum(task.nbytes for task in tasks)
+    with (
+        distributed.JobProgress(total, progress, "unshard", ranks) as bar,
+        _staged(destination, overwrite, ranks) as output,
+    ):
+        names = [name for task in tasks for name in task.names]
         output.refuse_existing(names)
         _refuse_another_checkpoint(destination, names)
-        with ByteProgress(total, progress, "unshard") as bar:
-            copier = _Copier(source.reader, cast, bar)
-            for plan in plans:
-                result.files.extend(plan.write(output, source, copier))
+        written = _run_tasks(tasks, output, source, cast, bar, workers, ranks)
+    result.files = _gathered(written, ranks)
     return result
+
+
+@contextlib.contextmanager
+def _staged(destination: Storage, overwrite: bool, ranks: Ranks | None) -> Iterator[AtomicOutput]:
+    """An :class:`AtomicOutput` for this process, committed only when the block succeeded on
+    every rank: each rank stages its own files, all agree, each publishes its own, all agree
+    again, and a failure anywhere takes back what any rank published."""
+    if ranks is None:
+        with atomic_output(destination, overwrite=overwrite) as output:
+            yield output
+        return
+    output = AtomicOutput(destination, overwrite=overwrite)
+    try:
+        error = None
+        try:
+            yield output
+        except BaseException as exc:
+            error = exc
+        ranks.agree(error, "writing the outputs")
+        published: list = []
+        try:
+            published = output.publish()
+            error = None
+        except BaseException as exc:
+            error = exc
+        try:
+            ranks.agree(error, "publishing the outputs")
+        except BaseException:
+            output.withdraw(published)
+            raise
+    finally:
+        output.discard()
+
+
+def _gathered(written: dict[int, list[WrittenFile]], ranks: Ranks | None) -> list[WrittenFile]:
+    """Every rank's written files, in plan order (the order a single process writes them)."""
+    if ranks is not None:
+        merged: dict[int, list[WrittenFile]] = {}
+        for part in ranks.all_gather(written):
+            merged.update(part)
+        written = merged
+    return [file for index in sorted(written) for file in written[index]]
+
+
+def _run_tasks(
+    tasks: list[_Task],
+    output: AtomicOutput,
+    source: Source,
+    cast: DType | None,
+    bar: distributed.JobProgress,
+    workers: int,
+    ranks: Ranks | None,
+) -> dict[int, list[WrittenFile]]:
+    """Write this process's share of ``tasks`` on ``workers`` threads, each with its own
+    reader (a reader's caches belong to one thread); the files each task wrote, by index."""
+    items = [work.WorkItem(i, task.nbytes, task) for i, task in enumerate(tasks)]
+    stop = work.Stop()
+    fresh = workers > 1
+    copiers = work.PerThread(
+        lambda: _Copier(source.reader.fresh() if fresh else source.reader, cast, bar, stop)
+    )
+
+    log = distributed.rank_logger(ranks)
+
+    def write(item: work.WorkItem[_Task], _stop: work.Stop) -> list[WrittenFile]:
+        copier = copiers.get()
+        copier.reader.read_ahead(item.task.entries)  # small tensors: many per batch of reads
+        log.info("writing %s (%d bytes)", ", ".join(item.task.names), item.nbytes)
+        written = item.task.write(output, copier)
+        log.info("wrote %s", ", ".join(item.task.names))
+        return written
+
+    return work.run(work.mine(items, ranks), write, workers=workers, stop=stop)
 
 
 def _refuse_another_checkpoint(destination: Storage, names: list[str]) -> None:
@@ -194,7 +279,7 @@ def _selected_values(
         else:
             result.dropped[entry.key] = f"exclude={pattern!r}"
     objects = [e for e in entries if e.kind == "object"]
-    raw = source.reader.read_objects(objects, decode=False) if objects else []
+    raw = source.reader.read_objects(objects, decode=False, tensors="data") if objects else []
     values = dict(zip((e.key for e in objects), raw, strict=True))
     for key, value in values.items():
         names = opaque_names(decoded(value))
@@ -228,7 +313,7 @@ def _plans(
     for entry in entries:
         by_group.setdefault(entry.group, []).append(entry)
     plans = [
-        _plan_torch(group, items, values)
+        _plan_torch(group, items, values, cast)
         if to == "torch"
         else _plan_safetensors(group, items, values, limit, cast)
         for group, items in by_group.items()
@@ -249,6 +334,7 @@ def convert(
     progress: bool = True,
     objects: ObjectPolicy = "keep",
     exclude: Sequence[str] | str | None = None,
+    workers: int = 1,
 ) -> UnshardResult:
     """Write ``src`` into ``dst`` as format ``to``.
 
@@ -256,7 +342,8 @@ def convert(
     reads at any world size; chunks keep their boxes and records already in torch.save form are
     copied byte for byte, so DCP → DCP with ``keys``/``groups`` is a cheap way to slim a
     checkpoint (e.g. drop the optimizer). ``"torch"`` / ``"safetensors"`` unshard.
-    ``objects`` and ``exclude`` work as for :func:`unshard`.
+    ``objects``, ``exclude`` and ``workers`` work as for :func:`unshard` (a DCP output is one
+    data file: one worker writes it).
     """
     if to in ("torch", "safetensors"):
         return unshard(
@@ -270,70 +357,81 @@ def convert(
             progress=progress,
             objects=objects,
             exclude=exclude,
+            workers=workers,
         )
     if to != "dcp":
         raise UsageError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
+    work.check_workers(workers)
     source = open_source(src, storage_options)
     destination = Storage(dst, storage_options)
     result = UnshardResult(destination.describe())
     entries, values = _selected_values(source, keys, groups, exclude, objects, result)
-    with atomic_output(destination, overwrite=overwrite) as output:
-        output.refuse_existing([dcp_writer.DATA_FILE, dcp_writer.METADATA])
-        data_size, metadata_size = _write_dcp(output, source.reader, entries, values, progress)
-    n_objects = len(values)
-    result.files += [
-        WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - n_objects, n_objects),
-        WrittenFile(dcp_writer.METADATA, metadata_size, 0, 0),
-    ]
+    names = [dcp_writer.DATA_FILE, dcp_writer.METADATA]
+    tensors = [e for e in entries if e.kind == "tensor"]
+    write = functools.partial(_write_dcp, entries, values)
+    task = _Task(names, tensors, sum(e.nbytes for e in tensors), write)
+    ranks = distributed.current()
+    with (
+        distributed.JobProgress(task.nbytes, progress, "convert", ranks) as bar,
+        _staged(destination, overwrite, ranks) as output,
+    ):
+        output.refuse_existing(names)
+        written = _run_tasks([task], output, source, None, bar, workers, ranks)
+    result.files = _gathered(written, ranks)
     return result
 
 
 def _write_dcp(
-    output, reader: Reader, entries: list[Entry], values: dict[str, Any], progress: bool
-) -> tuple[int, int]:
-    """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``; returns
-    both files' sizes. ``values`` holds the objects' values."""
-    total = sum(e.nbytes for e in entries if e.kind == "tensor")
-
-    def object_value(entry: Entry) -> Any:
-        return values[entry.key]
-
-    with (
-        ByteProgress(total, progress, "convert") as bar,
-        output.open(dcp_writer.DATA_FILE) as stream,
-    ):
-        copier = _Copier(reader, None, bar)
+    entries: list[Entry], values: dict[str, Any], output: AtomicOutput, copier: _Copier
+) -> list[WrittenFile]:
+    """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``. ``values``
+    holds the objects' values."""
+    with output.open(dcp_writer.DATA_FILE) as stream:
         records = dcp_writer.write_records(
             stream,
             entries,
             copy_record=copier.record,
             chunk_bytes=copier.chunk,
-            object_value=object_value,
+            object_value=lambda entry: values[entry.key],
         )
         data_size = stream.tell()
     metadata = dcp_writer.metadata_bytes(records, entries)
     with output.open(dcp_writer.METADATA) as stream:
         stream.write(metadata)
-    return data_size, len(metadata)
+    n_objects = len(values)
+    return [
+        WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - n_objects, n_objects),
+        WrittenFile(dcp_writer.METADATA, len(metadata), 0, 0),
+    ]
 
 
 class _Copier:
-    """Produces each tensor's output bytes (cast when asked), advancing the progress bar."""
+    """Produces each tensor's output bytes (cast when asked), advancing the progress bar;
+    stops when another worker failed."""
 
-    def __init__(self, reader: Reader, cast: DType | None, bar) -> None:
-        self.reader, self.cast, self.bar = reader, cast, bar
+    def __init__(self, reader: Reader, cast: DType | None, bar, stop: work.Stop) -> None:
+        self.reader, self.cast, self.bar, self.stop = reader, cast, bar, stop
 
     def __call__(self, entry: Entry) -> Iterator[memoryview]:
+        for piece in self.checked(entry):
+            yield piece.data if isinstance(piece, torch_save.CheckedBytes) else piece
+            piece = None  # not held while the reader fetches the next batch
+
+    def checked(self, entry: Entry) -> Iterator[memoryview | torch_save.CheckedBytes]:
+        """The pieces, those the reader just checked with their CRC-32 (for a zip writer)."""
         target = _out_dtype(entry.dtype, self.cast)
-        for piece in self.reader.iter_bytes(entry):
+        for piece, crc in self.reader.iter_checked(entry):
+            self.stop.check()
             if target != entry.dtype:
-                piece = _cast(piece, entry.dtype, target)
+                piece, crc = _cast(piece, entry.dtype, target), None
             self.bar.update(len(piece))
-            yield piece
+            yield piece if crc is None else torch_save.CheckedBytes(piece, crc)
+            piece = None  # not held while the reader fetches the next batch
 
     def record(self, entry: Entry, chunk: Chunk) -> bytes:
         """A chunk's stored record, byte for byte (CRC-checked by the reader unless it was
         opened with ``verify_crc=False``)."""
+        self.stop.check()
         data = self.reader.read_record(entry, chunk)
         self.bar.update(chunk.numel * entry.dtype.itemsize)
         return data
@@ -367,11 +465,21 @@ def _cast(piece: memoryview, source: DType, target: DType) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy())
 
 
+@dataclass(frozen=True)
+class _Task:
+    """A unit of work of a plan: output file(s) written together, from ``entries``."""
+
+    names: list[str]
+    entries: list[Entry]
+    nbytes: int  # tensor bytes written, for balancing and progress
+    write: Callable[[AtomicOutput, _Copier], list[WrittenFile]]
+
+
 class _Plan:
     group: str
     names: list[str]
 
-    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
+    def tasks(self) -> list[_Task]:
         raise NotImplementedError
 
 
@@ -380,20 +488,29 @@ class _TorchPlan(_Plan):
     group: str
     entries: list[Entry]
     values: dict[str, Any]  # the objects' values, by key
+    cast: DType | None = None
     name: str = ""
 
     @property
     def names(self) -> list[str]:
         return [self.name or f"{output_names.encode_stem(self.group)}.pt"]
 
-    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
+    def tasks(self) -> list[_Task]:
+        nbytes = sum(e.numel * _out_dtype(e.dtype, self.cast).itemsize for e in self.tensors)
+        return [_Task(self.names, self.tensors, nbytes, self.write)]
+
+    @property
+    def tensors(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "tensor"]
+
+    def write(self, output: AtomicOutput, copier: _Copier) -> list[WrittenFile]:
         name = self.names[0]
         structure, streamed = _structure(self.entries, self.values, copier.cast)
         with output.open(name) as stream:
             torch_save.write(
                 stream,
                 structure,
-                lambda slot: copier(streamed[id(slot)]),
+                lambda slot: copier.checked(streamed[id(slot)]),
                 archive_name=output_names.encode_stem(self.group),
             )
             size = stream.tell()
@@ -401,8 +518,10 @@ class _TorchPlan(_Plan):
         return [WrittenFile(name, size, len(self.entries) - objects, objects)]
 
 
-def _plan_torch(group: str, entries: list[Entry], values: dict[str, Any]) -> _TorchPlan:
-    plan = _TorchPlan(group, entries, values)
+def _plan_torch(
+    group: str, entries: list[Entry], values: dict[str, Any], cast: DType | None
+) -> _TorchPlan:
+    plan = _TorchPlan(group, entries, values, cast)
     _structure_paths(entries)  # clashing paths refused before anything is read or written
     return plan
 
@@ -463,30 +582,39 @@ class _SafetensorsPlan(_Plan):
             names.append(f"{self.stem}.objects.pt")
         return names
 
-    def write(self, output, source: Source, copier: _Copier) -> list[WrittenFile]:
-        written = self._write_shards(output, copier) if self.shards[0] else []
+    def tasks(self) -> list[_Task]:
+        tasks = []
+        if self.shards[0]:
+            for name, shard in zip(self.tensor_names, self.shards, strict=True):
+                write = functools.partial(self._write_shard, name, shard)
+                nbytes = sum(item.nbytes for item, _ in shard)
+                tasks.append(_Task([name], [entry for _, entry in shard], nbytes, write))
         if len(self.shards) > 1:
-            written.append(self._write_index(output))
+            index = f"{self.stem}.safetensors.index.json"
+            tasks.append(_Task([index], [], 0, lambda output, _copier: [self._write_index(output)]))
         if self.objects:
-            side = _TorchPlan(self.group, self.objects, self.values, f"{self.stem}.objects.pt")
-            written.extend(side.write(output, source, copier))
-        return written
+            side = _TorchPlan(self.group, self.objects, self.values, name=f"{self.stem}.objects.pt")
+            tasks += side.tasks()
+        return tasks
 
-    def _write_shards(self, output, copier: _Copier) -> list[WrittenFile]:
-        written = []
-        for name, shard in zip(self.tensor_names, self.shards, strict=True):
-            by_item = {id(item): entry for item, entry in shard}
-            with output.open(name) as stream:
-                safetensors_writer.write(
-                    stream,
-                    [item for item, _ in shard],
-                    lambda item, by_item=by_item: copier(by_item[id(item)]),
-                    metadata={"format": "pt"},
-                )
-                written.append(WrittenFile(name, stream.tell(), len(shard), 0))
-        return written
+    @staticmethod
+    def _write_shard(
+        name: str,
+        shard: list[tuple[safetensors_writer.SafetensorsItem, Entry]],
+        output: AtomicOutput,
+        copier: _Copier,
+    ) -> list[WrittenFile]:
+        by_item = {id(item): entry for item, entry in shard}
+        with output.open(name) as stream:
+            safetensors_writer.write(
+                stream,
+                [item for item, _ in shard],
+                lambda item: copier(by_item[id(item)]),
+                metadata={"format": "pt"},
+            )
+            return [WrittenFile(name, stream.tell(), len(shard), 0)]
 
-    def _write_index(self, output) -> WrittenFile:
+    def _write_index(self, output: AtomicOutput) -> WrittenFile:
         """The HF ``*.safetensors.index.json`` naming each tensor's shard."""
         index = {
             "metadata": {

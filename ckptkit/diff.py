@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import dtypes, tensor_blocks
+from . import distributed, dtypes, tensor_blocks, work
 from .catalog import Entry
 from .dtypes import DType
 from .errors import KeyNotFoundError, UsageError
-from .progress import ByteProgress
 from .reading import Reader
 from .source import Source, open_source
 from .tensor_blocks import ByteStream, aligned_blocks, as_float, bytes_equal
@@ -72,6 +71,7 @@ def diff(
     atol: float = 0.0,
     storage_options: dict | None = None,
     progress: bool = False,
+    workers: int = 1,
 ) -> pd.DataFrame:
     """One row per key of ``a`` and ``b``: its status and, for numeric tensors, how far apart.
 
@@ -85,7 +85,9 @@ def diff(
     prefix → prefix, or a callable) is applied to both sides' keys, wrapper segments such as
     ``_fsdp_wrapped_module.`` dropped; ``keys`` globs select among the mapped keys. ``key`` is
     a's key (b's for ``only_b``), ``key_b`` b's. Memory stays at about two blocks plus what the
-    readers hold for the current tensor (≤ 2 × the largest tensor + 64 MB).
+    readers hold for the current tensor (≤ 2 × the largest tensor + 64 MB) per worker:
+    tensors are compared on ``workers`` threads, and spread over the ranks of an initialised
+    torch.distributed process group (every rank returns the whole table).
     """
     import pandas as pd
 
@@ -94,7 +96,8 @@ def diff(
     ckpt_a = open_source(a, storage_options)
     ckpt_b = open_source(b, storage_options)
     pairs = _pairs(ckpt_a, ckpt_b, key_map, keys)
-    rows = _compare_pairs(ckpt_a, ckpt_b, pairs, _Tolerance(rtol, atol), progress)
+    tolerance = _Tolerance(rtol, atol)
+    rows = _compare_pairs(ckpt_a, ckpt_b, pairs, tolerance, progress, work.check_workers(workers))
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["numel"] = frame["numel"].astype("Int64")
     frame.attrs.update(a=_location(ckpt_a), b=_location(ckpt_b), rtol=rtol, atol=atol)
@@ -120,9 +123,15 @@ def _pairs(
 
 
 def _compare_pairs(
-    ckpt_a: Source, ckpt_b: Source, pairs: list[Pair], tolerance: _Tolerance, progress: bool
+    ckpt_a: Source,
+    ckpt_b: Source,
+    pairs: list[Pair],
+    tolerance: _Tolerance,
+    progress: bool,
+    workers: int,
 ) -> list[dict[str, Any]]:
-    """One row per pair: objects compared by value in one batch, tensors streamed."""
+    """One row per pair: objects compared by value in one batch, tensors streamed as work
+    items (each thread with its own pair of readers)."""
     objects = _compare_objects(
         ckpt_a,
         ckpt_b,
@@ -134,21 +143,36 @@ def _compare_pairs(
         if _both(ea, eb) and ea.kind == eb.kind == "tensor"
     )
     rows = []
-    with ByteProgress(total, progress, "diff") as bar:
-        for ea, eb in pairs:
-            row = _row(ea, eb)
-            if ea is None:
-                row["status"] = "only_b"
-            elif eb is None:
-                row["status"] = "only_a"
-            elif ea.kind != eb.kind:
-                row["status"] = "object_changed"
-                row["note"] = f"{ea.kind} in a, {eb.kind} in b"
-            elif ea.kind == "object":
-                row["status"], row["note"] = objects[ea.key]
-            else:
-                row.update(_compare_tensor_entries(ckpt_a, ea, ckpt_b, eb, tolerance, bar))
-            rows.append(row)
+    tensor_pairs = []
+    for i, (ea, eb) in enumerate(pairs):
+        row = _row(ea, eb)
+        if ea is None:
+            row["status"] = "only_b"
+        elif eb is None:
+            row["status"] = "only_a"
+        elif ea.kind != eb.kind:
+            row["status"] = "object_changed"
+            row["note"] = f"{ea.kind} in a, {eb.kind} in b"
+        elif ea.kind == "object":
+            row["status"], row["note"] = objects[ea.key]
+        else:
+            tensor_pairs.append(work.WorkItem(i, max(ea.nbytes, eb.nbytes), (ea, eb)))
+        rows.append(row)
+    readers = work.PerThread(lambda: (ckpt_a.reader.fresh(), ckpt_b.reader.fresh()))
+    ranks = distributed.current()
+    with distributed.JobProgress(total, progress, "diff", ranks) as bar:
+
+        def compare(item: work.WorkItem[Pair], stop: work.Stop) -> dict[str, Any]:
+            stop.check()
+            reader_a, reader_b = readers.get() if workers > 1 else (ckpt_a.reader, ckpt_b.reader)
+            ea, eb = item.task
+            return _compare_tensor_entries(reader_a, ea, reader_b, eb, tolerance, bar)
+
+        compared = work.run_everywhere(
+            tensor_pairs, compare, workers=workers, ranks=ranks, what="diff"
+        )
+    for index, values in compared.items():
+        rows[index].update(values)
     return rows
 
 
@@ -231,7 +255,7 @@ class _Tolerance:
 
 
 def _compare_tensor_entries(
-    ckpt_a: Source, ea: Entry, ckpt_b: Source, eb: Entry, tol: _Tolerance, bar
+    reader_a: Reader, ea: Entry, reader_b: Reader, eb: Entry, tol: _Tolerance, bar
 ) -> dict[str, Any]:
     if ea.shape != eb.shape:
         bar.update(max(ea.nbytes, eb.nbytes))
@@ -240,7 +264,7 @@ def _compare_tensor_entries(
     if ea.dtype != eb.dtype and not numeric:
         bar.update(max(ea.nbytes, eb.nbytes))
         return {"status": "dtype_changed", "note": f"dtype {ea.dtype.name} → {eb.dtype.name}"}
-    stats = _compare_streams(ckpt_a.reader, ea, ckpt_b.reader, eb, tol, bar)
+    stats = _compare_streams(reader_a, ea, reader_b, eb, tol, bar)
     out = stats.result(tol)
     if ea.dtype != eb.dtype:
         out.update(status="dtype_changed", note=f"dtype {ea.dtype.name} → {eb.dtype.name}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 
 class ByteProgress:
     """A tqdm bar counting bytes (``desc`` names the operation), or a do-nothing stand-in."""
 
     def __init__(self, total: int, enabled: bool, desc: str) -> None:
         self.bar = None
+        self._lock = threading.Lock()  # workers on several threads update one bar
         if enabled:
             from tqdm.auto import tqdm
 
@@ -22,4 +25,5 @@ class ByteProgress:
 
     def update(self, n: int) -> None:
         if self.bar is not None:
-            self.bar.update(n)
+            with self._lock:
+                self.bar.update(n)

@@ -955,6 +955,7 @@ class AtomicOutput:
         self.names: list[str] = []
         self._dirs: set[str] = set()  # parent folders of the names, for clashes with files
         self._created: list[str] = []  # folders made for the destination, innermost first
+        self._lock = threading.Lock()
         try:
             if self.local:
                 self._created = _missing_folders(destination.root)
@@ -1013,7 +1014,12 @@ class AtomicOutput:
 
     def open(self, name: str) -> BinaryIO:
         """A new seekable file that will become ``name`` (relative to the destination); its
-        write errors come out as :class:`DestinationError` naming the final file."""
+        write errors come out as :class:`DestinationError` naming the final file. Threads may
+        open files of one output at the same time."""
+        with self._lock:
+            return self._open(name)
+
+    def _open(self, name: str) -> BinaryIO:
         self._check_name(name)
         if name in self.names:
             raise OutputNameError(f"{self.destination.describe(name)} is written twice")
@@ -1043,18 +1049,29 @@ class AtomicOutput:
         objects in a remote store are not) and the error is raised. The staging folder is
         removed in every case."""
         try:
-            self.refuse_existing(self.names)
-            published: list[tuple[str, str | None]] = []  # (name, backup of what it replaced)
-            try:
-                for name in self.names:
-                    published.append((name, self._publish(name)))
-            except BaseException:
-                for name, backup in reversed(published):
-                    with contextlib.suppress(Exception):
-                        self._take_back(name, backup)
-                raise
+            self.publish()
         finally:
             self.discard()
+
+    def publish(self) -> list[tuple[str, str | None]]:
+        """:meth:`commit` without the clean-up: every file in place or (on error) none, and
+        what was published for :meth:`withdraw`, should a later step (another rank's
+        publishing) fail. :meth:`discard` must follow."""
+        self.refuse_existing(self.names)
+        published: list[tuple[str, str | None]] = []  # (name, backup of what it replaced)
+        try:
+            for name in self.names:
+                published.append((name, self._publish(name)))
+        except BaseException:
+            self.withdraw(published)
+            raise
+        return published
+
+    def withdraw(self, published: list[tuple[str, str | None]]) -> None:
+        """Take back files :meth:`publish` put in place (best effort, newest first)."""
+        for name, backup in reversed(published):
+            with contextlib.suppress(Exception):
+                self._take_back(name, backup)
 
     def _publish(self, name: str) -> str | None:
         """Put ``name`` in place; the path where a local file it replaced was kept, if any."""

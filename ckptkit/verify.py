@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import distributed, work
 from .catalog import Chunk, Encoding, Entry, Record, distinct_chunks
 from .errors import (
     CheckpointError,
@@ -36,6 +37,8 @@ from .source import Source, open_source
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from .distributed import Ranks
 
 COLUMNS = ["file", "key", "problem", "detail"]
 
@@ -70,26 +73,31 @@ class Problem:
 
 
 def verify(
-    src: str | Source, *, storage_options: dict[str, Any] | None = None, crc: bool = True
+    src: str | Source,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    crc: bool = True,
+    workers: int = 1,
 ) -> pd.DataFrame:
     """Problems of the checkpoint at ``src`` (a path, fsspec URL or open checkpoint; see
     :meth:`ckptkit.Checkpoint.verify`); a checkpoint that cannot even be opened (missing
     ``.metadata``, a rank file missing from a set) is one problem row rather than an
     exception; a location that is not a checkpoint at all (a typo, a folder of steps) raises
     :class:`~ckptkit.errors.NotACheckpointError`, so a CI job can tell a wrong path from
-    damage."""
+    damage. Tensors are checked on ``workers`` threads, and spread over the ranks of an
+    initialised torch.distributed process group (every rank returns the whole table)."""
     try:
         source = open_source(src, storage_options, verify_crc=crc)
     except NotACheckpointError:
         raise
     except CheckpointError as exc:
         return _frame([Problem(None, None, problem_kind(exc), str(exc))])
-    return verify_checkpoint(source, crc=crc)
+    return verify_checkpoint(source, crc=crc, workers=workers)
 
 
-def verify_checkpoint(source: Source, *, crc: bool = True) -> pd.DataFrame:
+def verify_checkpoint(source: Source, *, crc: bool = True, workers: int = 1) -> pd.DataFrame:
     """Problems of an open checkpoint: one row per damaged file, record or tensor."""
-    return _frame(list(_problems(source, crc)))
+    return _frame(_problems(source, crc, work.check_workers(workers), distributed.current()))
 
 
 def _frame(problems: list[Problem]) -> pd.DataFrame:
@@ -98,9 +106,10 @@ def _frame(problems: list[Problem]) -> pd.DataFrame:
     return pd.DataFrame([vars(p) for p in problems], columns=COLUMNS)
 
 
-def _problems(source: Source, crc: bool) -> Iterator[Problem]:
+def _problems(source: Source, crc: bool, workers: int, ranks: Ranks | None) -> list[Problem]:
+    """Files and records first (cheap, on every rank), then the tensors as work items (the
+    objects as one more), rows in catalog order whoever checked them."""
     catalog, storage = source.catalog, source.storage
-    reader = Reader(storage, catalog.object_globals, verify_crc=crc)
     records = [
         (entry, chunk)
         for entry in catalog.entries.values()
@@ -109,13 +118,25 @@ def _problems(source: Source, crc: bool) -> Iterator[Problem]:
     ]
     files = list(dict.fromkeys([*catalog.files, *(c.record.file for _, c in records)]))
     sizes = storage.sizes(files)
-    yield from _missing_files(files, sizes, records)
-    yield from _integrity_problems(source)
+    missing = list(_missing_files(files, sizes, records))
     unreadable: set[int] = set()  # id() of records not worth reading
-    yield from _truncated_records(records, sizes, unreadable)
-    for entry in catalog.tensors():
-        yield from _tensor_problems(reader, entry, unreadable)
-    yield from _object_problems(reader, catalog.objects(), unreadable)
+    truncated = list(_truncated_records(records, sizes, unreadable))
+    readers = work.PerThread(lambda: Reader(storage, catalog.object_globals, verify_crc=crc))
+    tensors, objects = catalog.tensors(), catalog.objects()
+    items = [work.WorkItem(0, 0, "integrity"), work.WorkItem(1, 0, "objects")]
+    items += [work.WorkItem(i + 2, entry.nbytes, entry) for i, entry in enumerate(tensors)]
+
+    def check(item: work.WorkItem[Entry | str], stop: work.Stop) -> list[Problem]:
+        stop.check()
+        if item.task == "integrity":
+            return list(_integrity_problems(source))
+        if item.task == "objects":
+            return list(_object_problems(readers.get(), objects, unreadable))
+        return list(_tensor_problems(readers.get(), item.task, unreadable))
+
+    found = work.run_everywhere(items, check, workers=workers, ranks=ranks, what="verify")
+    checked = [p for index in range(2, len(items)) for p in found[index]]
+    return missing + found[0] + truncated + checked + found[1]
 
 
 def _missing_files(

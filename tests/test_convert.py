@@ -128,7 +128,7 @@ def test_outputs_are_all_or_nothing(written, tmp_path, monkeypatch):
     source = written("fsdp2_ws2")
     out = tmp_path / "out"
     calls = {"n": 0}
-    original = ckptkit.reading.Reader.iter_bytes
+    original = ckptkit.reading.Reader.iter_checked
 
     def failing(self, entry):
         calls["n"] += 1
@@ -136,7 +136,7 @@ def test_outputs_are_all_or_nothing(written, tmp_path, monkeypatch):
             raise ckptkit.CorruptRecordError("injected failure")
         yield from original(self, entry)
 
-    monkeypatch.setattr(ckptkit.reading.Reader, "iter_bytes", failing)
+    monkeypatch.setattr(ckptkit.reading.Reader, "iter_checked", failing)
     with pytest.raises(ckptkit.CorruptRecordError, match="injected"):
         ckptkit.unshard(str(source.path), str(out), progress=False)
     assert not out.exists()  # no final names, no staging, not even the folder made for them
@@ -166,7 +166,7 @@ def test_ctrl_c_leaves_nothing_behind(written, tmp_path, monkeypatch, capsys):
     from ckptkit.cli import main
 
     source = written("fsdp2_ws2")
-    original = ckptkit.reading.Reader.iter_bytes
+    original = ckptkit.reading.Reader.iter_checked
     calls = {"n": 0}
 
     def interrupted(self, entry):
@@ -175,7 +175,7 @@ def test_ctrl_c_leaves_nothing_behind(written, tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         yield from original(self, entry)
 
-    monkeypatch.setattr(ckptkit.reading.Reader, "iter_bytes", interrupted)
+    monkeypatch.setattr(ckptkit.reading.Reader, "iter_checked", interrupted)
     fresh = tmp_path / "new" / "out"
     assert main(["unshard", str(source.path), str(fresh), "--quiet"]) == 130
     assert capsys.readouterr().err == "ckptkit: interrupted\n"

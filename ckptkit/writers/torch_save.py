@@ -6,25 +6,37 @@ The result is the zip layout torch itself writes (stored members, storages 64-by
 
 from __future__ import annotations
 
-import collections
 import copyreg
 import io
 import math
 import pickle
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
+
+import numpy as np
 
 from .. import dtypes
+from ..crc32 import combine as combine_crc
 from ..dtypes import DType
 from ..errors import MismatchError, UnsafePickleError, UsageError
+from ..reading import strided_view
+from ..records import TensorData
 from ..unpickler import Opaque
 
 ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _PAD_TAG = 0x4246  # the extra-field id torch's own writer pads with ("FB")
+
+
+class CheckedBytes(NamedTuple):
+    """A piece of a member whose CRC-32 is known (just checked against its source's)."""
+
+    data: bytes | memoryview
+    crc32: int
 
 
 @dataclass(frozen=True)
@@ -48,8 +60,11 @@ class StoredZipWriter:
         """A whole member at once (small records: ``data.pkl``, ``version``…)."""
         self.write_chunks(name, len(data), [data])
 
-    def write_chunks(self, name: str, size: int, chunks: Iterable[bytes | memoryview]) -> None:
-        """A member of known ``size`` from pieces produced one after another."""
+    def write_chunks(
+        self, name: str, size: int, chunks: Iterable[bytes | memoryview | CheckedBytes]
+    ) -> None:
+        """A member of known ``size`` from pieces produced one after another; the CRC-32 of
+        :class:`CheckedBytes` pieces is combined from theirs (one CRC pass, not two)."""
         full = f"{self.prefix}/{name}".encode()
         offset = self.stream.tell() - self.start
         zip64 = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
@@ -75,7 +90,11 @@ class StoredZipWriter:
         self.stream.write(header + full + extra)
         crc, written = 0, 0
         for chunk in chunks:
-            crc = zlib.crc32(chunk, crc)
+            if isinstance(chunk, CheckedBytes):  # its CRC is known: combine, do not recompute
+                crc = combine_crc(crc, chunk.crc32, len(chunk.data))
+                chunk = chunk.data
+            else:
+                crc = zlib.crc32(chunk, crc)
             written += len(chunk)
             self.stream.write(chunk)
         if written != size:
@@ -160,99 +179,143 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def dumps(structure: Any) -> tuple[bytes, list[TensorSlot]]:
-    """Pickle ``structure`` as torch.save does; tensors (slots or ``torch.Tensor``) become storages.
+    """Pickle ``structure`` as torch.save does; tensors (slots, or ``torch.Tensor`` when torch
+    is already imported) become storages.
 
-    Placeholders of classes ckptkit did not decode (:class:`~ckptkit.unpickler.Opaque`) are
-    replayed as the pickle that built them: the same global, arguments, state and items, so
-    loading the output where those classes exist gives the original objects; nothing of them
-    is imported or run here. Returns the ``data.pkl`` bytes and the slots in storage-key
-    order. Imports torch, whose rebuild functions and storage classes the pickle names.
+    torch's rebuild functions, storage classes and dtypes are written by name, as the opcodes
+    torch's own pickle holds, so nothing here imports torch. Placeholders of classes ckptkit did
+    not decode (:class:`~ckptkit.unpickler.Opaque`) are replayed as the pickle that built them:
+    the same global, arguments, state and items, so loading the output where those classes
+    exist gives the original objects; nothing of them is imported or run here. Returns the
+    ``data.pkl`` bytes and the slots in storage-key order.
     """
-    slots: list[TensorSlot] = []
-    try:
-        return _dump(_TorchPickler, structure, slots), slots
-    except _HoldsOpaque:  # the C pickler would import a placeholder's module to name it
-        for slot in slots:
-            slot.key = ""
-        slots.clear()
-        return _dump(_ReplayingPickler, structure, slots), slots
-
-
-class _HoldsOpaque(Exception):
-    """The structure holds a placeholder: pickle it again with :class:`_ReplayingPickler`."""
-
-
-def _dump(pickler: type, structure: Any, slots: list[TensorSlot]) -> bytes:
     buf = io.BytesIO()
-    pickler(buf, slots).dump(structure)
-    return buf.getvalue()
+    slots: list[TensorSlot] = []
+    _TorchPickler(buf, slots).dump(structure)
+    return buf.getvalue(), slots
 
 
-class _TensorReduction:
-    """What both picklers share: tensors and slots as torch.save pickles them."""
+@dataclass(frozen=True, eq=False)
+class _Global:
+    """A global torch.save pickles by name (``module`` ``qualname``), never imported here."""
+
+    module: str
+    qualname: str
+
+    def __call__(self, *args: Any) -> Any:  # pickle's save_reduce asks for a callable
+        raise TypeError(f"{self.module}.{self.qualname} is only a name here, never called")
+
+
+_REBUILD_V2 = _Global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_V3 = _Global("torch._utils", "_rebuild_tensor_v3")
+_UNTYPED_STORAGE = _Global("torch.storage", "UntypedStorage")
+_ORDERED_DICT = _Global("collections", "OrderedDict")
+_TYPED_STORAGES = {
+    d.storage: _Global("torch", d.storage) for d in dtypes.BY_NAME.values() if d.storage
+}
+_DTYPES = {name: _Global("torch", d.name) for name, d in dtypes.BY_NAME.items()}
+
+
+@dataclass(eq=False)
+class _StorageId:
+    slot: TensorSlot
+
+
+class _TorchPickler(pickle._Pickler):
+    """The pure-Python pickler, whose ``save_global`` can name a global without importing it:
+    torch's (:class:`_Global`) and each placeholder's (replayed as the pickle that built it)."""
 
     def __init__(self, stream: BinaryIO, slots: list[TensorSlot]) -> None:
         super().__init__(stream, protocol=2)
         self.slots = slots
+        torch = sys.modules.get("torch")  # tensors can only be in memory if it is imported
+        if torch is not None:
+            self.tensor_type = torch.Tensor
+            self.save = self._save_tensors_as_slots
 
-    def reduce_tensor(self, obj: Any) -> Any:
-        import torch
-
-        if isinstance(obj, torch.Tensor):
+    def _save_tensors_as_slots(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, self.tensor_type):
             obj = _slot_from_tensor(obj)
-        if not isinstance(obj, TensorSlot):
-            return NotImplemented
-        if not obj.key:
-            obj.key = str(len(self.slots))
-            self.slots.append(obj)
-        args = (_StorageId(obj), 0, torch.Size(obj.shape), _contiguous_strides(obj.shape))
-        args += (False, collections.OrderedDict())
-        if obj.dtype.storage is None:  # fp8, uint16…: untyped bytes plus the dtype, as torch does
-            return torch._utils._rebuild_tensor_v3, (*args, dtypes.to_torch(obj.dtype))
-        return torch._utils._rebuild_tensor_v2, args
+        super().save(obj, save_persistent_id)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _Global):
+            return obj.qualname  # a name: the pickler calls save_global
+        if isinstance(obj, Opaque):
+            return _replay(obj)
+        return NotImplemented
+
+    def save_slot(self, slot: TensorSlot) -> None:
+        """``rebuild(storage, 0, shape, stride, False, OrderedDict()[, dtype])`` as the opcodes
+        ``save_reduce`` would write, without its generic per-argument dispatch (half the time
+        of a tensor-heavy pickle)."""
+        if not slot.key:
+            slot.key = str(len(self.slots))
+            self.slots.append(slot)
+        save, write = self.save, self.write
+        untyped = slot.dtype.storage is None  # fp8, uint16…: untyped bytes plus the dtype
+        save(_REBUILD_V3 if untyped else _REBUILD_V2)
+        write(pickle.MARK)
+        self.save_pers(self.persistent_id(_StorageId(slot)))
+        write(pickle.BININT1 + b"\0")  # storage_offset
+        self._save_ints(slot.shape)
+        self._save_ints(_contiguous_strides(slot.shape))
+        write(pickle.NEWFALSE)  # requires_grad
+        save(_ORDERED_DICT)
+        write(pickle.EMPTY_TUPLE + pickle.REDUCE)  # backward hooks: OrderedDict()
+        self.memoize(object())  # memo slots stand for objects save_reduce would memoize
+        if untyped:
+            save(_DTYPES[slot.dtype.name])
+        write(pickle.TUPLE)
+        self.memoize(object())  # the arguments tuple
+        write(pickle.REDUCE)
+        self.memoize(slot)
+
+    def _save_ints(self, values: tuple[int, ...]) -> None:
+        """A fresh tuple of ints, as ``save_tuple`` writes it."""
+        if not values:
+            self.write(pickle.EMPTY_TUPLE)
+            return
+        short = len(values) <= 3
+        if not short:
+            self.write(pickle.MARK)
+        for value in values:
+            self.save_long(value)
+        self.write(pickle._tuplesize2code[len(values)] if short else pickle.TUPLE)
+        self.memoize(object())
+
+    def save_tensor_data(self, data: TensorData) -> None:
+        """A tensor read from inside a pickled object: its elements, row-major, as a slot."""
+        array = np.ascontiguousarray(strided_view(data, "a tensor inside an object"))
+        self.save_slot(TensorSlot(data.dtype, data.shape, data=array.tobytes()))
+
+    dispatch = {**pickle._Pickler.dispatch, TensorSlot: save_slot, TensorData: save_tensor_data}
 
     def persistent_id(self, obj: Any) -> Any:
-        import torch
-
         if not isinstance(obj, _StorageId):
             return None
         slot = obj.slot
         if slot.dtype.storage is None:
-            return ("storage", torch.storage.UntypedStorage, slot.key, "cpu", slot.nbytes)
-        storage_type = getattr(torch, slot.dtype.storage)
-        return ("storage", storage_type, slot.key, "cpu", slot.nbytes // slot.dtype.itemsize)
-
-
-class _TorchPickler(_TensorReduction, pickle.Pickler):
-    """The C pickler: fast, for structures without placeholders."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Opaque) or (isinstance(obj, type) and issubclass(obj, Opaque)):
-            raise _HoldsOpaque
-        return self.reduce_tensor(obj)
-
-
-class _ReplayingPickler(_TensorReduction, pickle._Pickler):
-    """The pure-Python pickler (its ``save_global`` can be taught to name a placeholder's
-    global without importing it), replaying each placeholder as the pickle that built it."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Opaque):
-            return _replay(obj)
-        return self.reduce_tensor(obj)
+            return ("storage", _UNTYPED_STORAGE, slot.key, "cpu", slot.nbytes)
+        storage = _TYPED_STORAGES[slot.dtype.storage]
+        return ("storage", storage, slot.key, "cpu", slot.nbytes // slot.dtype.itemsize)
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
-        if isinstance(obj, type) and issubclass(obj, Opaque):
-            if not all(part.isidentifier() for part in f"{obj.module}.{obj.qualname}".split(".")):
+        if isinstance(obj, _Global):
+            module, qualname = obj.module, obj.qualname
+        elif isinstance(obj, type) and issubclass(obj, Opaque):
+            module, qualname = obj.module, obj.qualname
+            if not all(part.isidentifier() for part in f"{module}.{qualname}".split(".")):
                 # STACK_GLOBAL names are any string: a newline would inject opcodes here
                 raise UnsafePickleError(
                     f"cannot write the global {obj.global_name!r}: not a dotted Python name",
                     global_name=obj.global_name,
                 )
-            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.qualname}\n".encode())
-            self.memoize(obj)
+        else:
+            super().save_global(obj, name)
             return
-        super().save_global(obj, name)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
 
 
 def _replay(obj: Opaque) -> tuple:
@@ -270,11 +333,6 @@ def _replay(obj: Opaque) -> tuple:
     return copyreg.__newobj__, (type(obj), *obj.args), obj.state, listitems, dictitems
 
 
-@dataclass(eq=False)
-class _StorageId:
-    slot: TensorSlot
-
-
 def _slot_from_tensor(tensor) -> TensorSlot:
     """A tensor already in memory (inside a decoded object) as a slot carrying its bytes."""
     import torch
@@ -286,7 +344,7 @@ def _slot_from_tensor(tensor) -> TensorSlot:
 def write(
     stream: BinaryIO,
     structure: Any,
-    produce: Callable[[TensorSlot], Iterable[bytes | memoryview]],
+    produce: Callable[[TensorSlot], Iterable[bytes | memoryview | CheckedBytes]],
     *,
     archive_name: str = "archive",
 ) -> list[TensorSlot]:

@@ -1,0 +1,280 @@
+"""Scale-out: unshard / convert / verify / diff on several threads (``workers=``) and across the
+ranks of torchrun, with outputs identical to one process's and all-or-nothing on failure."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ckptkit
+from ckptkit.errors import ChecksumError, UsageError
+from ckptkit.records import zip_members
+
+#: Small enough that the sample's model and optimizer split into many shards: many work items.
+SHARD = "64KiB"
+
+
+def digests(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``root`` by relative name (DCP ``.metadata`` excluded: it
+    pickles a fresh random ``save_id`` on every write)."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != ".metadata"
+    }
+
+
+def dcp_metadata_without_save_id(root: Path) -> dict:
+    """The DCP ``.metadata`` as torch reads it, minus its random ``save_id``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(root)).read_metadata()
+    return {
+        "state": repr(metadata.state_dict_metadata),
+        "storage": repr(sorted(metadata.storage_data.items(), key=repr)),
+        "planner": repr(metadata.planner_data),
+    }
+
+
+def unshard_all(src: Path, out: Path, **kwargs) -> dict[str, list]:
+    """Every target: torch.save, safetensors in many shards, DCP; what each result lists."""
+    listed = {}
+    for name, call in {
+        "torch": lambda dst: ckptkit.unshard(str(src), dst, progress=False, **kwargs),
+        "st": lambda dst: ckptkit.unshard(
+            str(src), dst, to="safetensors", max_shard_size=SHARD, progress=False, **kwargs
+        ),
+        "dcp": lambda dst: ckptkit.convert(str(src), dst, to="dcp", progress=False, **kwargs),
+    }.items():
+        result = call(str(out / name))
+        listed[name] = [(f.name, f.nbytes, f.tensors, f.objects) for f in result.files]
+    return listed
+
+
+def test_workers_write_the_same_bytes_as_one_process(ws2, tmp_path):
+    one = unshard_all(ws2.path, tmp_path / "one")
+    four = unshard_all(ws2.path, tmp_path / "four", workers=4)
+    assert one == four  # the same files, listed in the same (plan) order
+    assert len(one["st"]) > 8  # the shard size made many work items
+    assert digests(tmp_path / "one") == digests(tmp_path / "four")
+    assert dcp_metadata_without_save_id(tmp_path / "one" / "dcp") == dcp_metadata_without_save_id(
+        tmp_path / "four" / "dcp"
+    )
+
+
+def damaged_copy(src: Path, dst: Path) -> tuple[Path, str]:
+    """A copy of ``src`` with one byte flipped inside the storage of its largest tensor on
+    ``__0_0.distcp``; that tensor's key."""
+    shutil.copytree(src, dst)
+    ckpt = ckptkit.open(str(dst))
+    _, key, record = max(
+        (e.nbytes, e.key, c.record)
+        for e in ckpt.catalog.tensors()
+        for c in e.chunks
+        if c.record is not None and c.record.file == "__0_0.distcp"
+    )
+    blob = (dst / record.file).read_bytes()[record.offset : record.offset + record.length]
+    members = zip_members(memoryview(blob), "test")
+    member = next(m for name, m in members.items() if name.endswith("/data/0"))
+    raw = bytearray((dst / record.file).read_bytes())
+    raw[record.offset + member.offset + member.size // 2] ^= 0x5A
+    (dst / record.file).write_bytes(bytes(raw))
+    return dst, key
+
+
+def test_workers_verify_and_diff_equal_one_process(ws2, mutant, tmp_path):
+    damaged, _ = damaged_copy(ws2.path, tmp_path / "damaged")
+    one, four = ckptkit.verify(str(damaged)), ckptkit.verify(str(damaged), workers=4)
+    assert not one.empty and one["problem"].eq("checksum").any()
+    assert one.equals(four)
+    d1 = ckptkit.diff(str(ws2.path), str(mutant))
+    d4 = ckptkit.diff(str(ws2.path), str(mutant), workers=4)
+    assert d1.equals(d4)
+    assert (d1["status"] != "equal").any()
+
+
+def test_a_failing_worker_leaves_nothing_and_names_the_damage(ws2, tmp_path):
+    damaged, key = damaged_copy(ws2.path, tmp_path / "damaged")
+    dst = tmp_path / "out"
+    with pytest.raises(ChecksumError, match=rf"__0_0\.distcp.*{key}"):
+        ckptkit.unshard(str(damaged), str(dst), to="safetensors", max_shard_size=SHARD, workers=4)
+    assert not dst.exists()  # no final file, no staging folder, no folder made for it
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])
+def test_workers_must_be_a_positive_integer(ws2, tmp_path, workers):
+    with pytest.raises(UsageError, match="workers"):
+        ckptkit.unshard(str(ws2.path), str(tmp_path / "out"), workers=workers)
+    assert not os.path.exists(tmp_path / "out")
+
+
+# -- torchrun ---------------------------------------------------------------------------------
+
+#: Run under torchrun by the tests below: the public API called inside an initialised process
+#: group (:func:`api_report`). argv: out_dir, then source paths; rank 0 writes result.json.
+API_UNDER_TORCHRUN = r"""
+import json, os, sys
+import torch.distributed as dist
+sys.path.insert(0, TESTS)
+from test_scale import api_report
+
+dist.init_process_group("gloo")
+report = api_report(sys.argv[2:], sys.argv[1])
+if dist.get_rank() == 0:
+    with open(os.path.join(sys.argv[1], "result.json"), "w") as handle:
+        json.dump(report, handle)
+dist.destroy_process_group()
+""".replace("TESTS", repr(str(Path(__file__).parent)))
+
+
+def api_report(sources: list, out) -> dict:
+    """unshard to torch / safetensors shards and convert to DCP (every target on the first
+    source, safetensors on the others), verify and diff: what each returned, as JSON values."""
+    import json
+
+    report = {}
+    for i, src in enumerate(map(str, sources)):
+        targets = {
+            "st": lambda dst, src=src: ckptkit.unshard(
+                src, dst, to="safetensors", max_shard_size=SHARD, progress=False
+            ),
+            "torch": lambda dst, src=src: ckptkit.unshard(src, dst, progress=False),
+            "dcp": lambda dst, src=src: ckptkit.convert(src, dst, to="dcp", progress=False),
+        }
+        for name, call in list(targets.items())[: 3 if i == 0 else 1]:
+            result = call(os.path.join(out, f"{i}-{name}"))
+            report[f"{i}-{name}"] = [[f.name, f.nbytes, f.tensors, f.objects] for f in result.files]
+    report["verify"] = ckptkit.verify(str(sources[0])).to_dict("records")
+    report["diff"] = ckptkit.diff(str(sources[0]), str(sources[-1])).astype(str).to_dict("records")
+    return json.loads(json.dumps(report))
+
+
+#: Sources of other formats (checked-in fixtures written by their projects' own tools).
+FIXTURES = Path(__file__).parent / "fixtures"
+OTHER_SOURCES = [
+    FIXTURES / "deepspeed_zero3_ws2" / "checkpoint",
+    FIXTURES / "megatron_mcore016_gpt_tp2_ws2" / "checkpoint",
+    FIXTURES / "olmo_core3_trainer_ws2" / "step3",
+]
+
+
+def torchrun(*args: object, nproc: int = 2, timeout: float = 300, env: dict | None = None):
+    """``torchrun --standalone --nproc-per-node N args…``; fails the test unless it exits 0."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), *map(str, args)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_api_under_torchrun_equals_one_process(ws2, mutant, tmp_path, nproc):
+    """unshard (torch, safetensors shards), convert (DCP), verify and diff called inside a
+    process group of 2 and 4 ranks: the same files, bit for bit, and the same tables as one
+    process, for the FSDP2 sample and DeepSpeed, Megatron and OLMo-core sources."""
+    import json
+
+    sources = [ws2.path, *OTHER_SOURCES, mutant]
+    script = tmp_path / "job.py"
+    script.write_text(API_UNDER_TORCHRUN)
+    torchrun(script, tmp_path / "ranks", *sources, nproc=nproc)
+    expected = api_report(sources, tmp_path / "one")
+    assert json.loads((tmp_path / "ranks" / "result.json").read_text()) == expected
+    (tmp_path / "ranks" / "result.json").unlink()
+    assert digests(tmp_path / "ranks") == digests(tmp_path / "one")
+    assert dcp_metadata_without_save_id(tmp_path / "ranks" / "0-dcp") == (
+        dcp_metadata_without_save_id(tmp_path / "one" / "0-dcp")
+    )
+    assert not list((tmp_path / "ranks").rglob(".ckptkit-*"))  # no staging left behind
+
+
+#: Rank 1 dies (as if killed) once it has written its first output bytes.
+DIE_MID_WRITE = r"""
+import os, sys
+import torch.distributed as dist
+import ckptkit
+from ckptkit.writers import safetensors as writer
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    original = writer.write
+    def dying(stream, *args, **kwargs):
+        stream.write(b"partial")
+        stream.flush()
+        os._exit(9)
+    writer.write = dying
+ckptkit.unshard(sys.argv[1], sys.argv[2], to="safetensors", max_shard_size="64KiB",
+                progress=False)
+"""
+
+
+def test_a_rank_killed_mid_run_leaves_no_output_and_a_rerun_succeeds(ws2, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "die.py"
+    script.write_text(DIE_MID_WRITE)
+    dst = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), str(ws2.path), str(dst)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    final = [p.name for p in dst.iterdir() if not p.name.startswith(".ckptkit-")]
+    assert final == []  # nothing under a final name; staging of killed ranks may remain
+    result = ckptkit.unshard(str(ws2.path), str(dst), to="safetensors", max_shard_size=SHARD)
+    assert [p.name for p in dst.iterdir() if p.name.startswith(".ckptkit-")] == []
+    ckptkit.unshard(str(ws2.path), str(tmp_path / "one"), to="safetensors", max_shard_size=SHARD)
+    assert digests(dst) == digests(tmp_path / "one") and len(result.files) > 8
+
+
+def test_cli_on_two_hosts_writes_to_a_shared_s3_destination(ws2, s3, tmp_path):
+    """Two torchrun "hosts" (node ranks 0 and 1, each its own local staging folder) unshard
+    into one S3 prefix on the loopback server; the objects equal a single-process run's."""
+    import subprocess
+    import sys
+
+    import fsspec
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    fs = fsspec.filesystem("s3")
+    if not fs.exists("ckptkit-scale"):
+        fs.mkdir("ckptkit-scale")
+    dst = "s3://ckptkit-scale/two-hosts"
+    nodes = []
+    for node in range(2):
+        staging = tmp_path / f"host{node}-tmp"
+        staging.mkdir()
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        command += ["--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+        command += ["--rdzv-endpoint", endpoint, "--rdzv-id", "scale-test"]
+        command += ["-m", "ckptkit", "unshard", str(ws2.path), dst, "--to", "safetensors"]
+        command += ["--max-shard-size", SHARD, "--quiet"]
+        env = {**os.environ, "TMPDIR": str(staging), "OMP_NUM_THREADS": "1"}
+        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0]
+    assert "wrote" in outputs[0] and outputs[1] == ""  # rank 0 reports, once
+    remote = {
+        path.rsplit("/", 1)[1]: hashlib.sha256(fs.cat_file(path)).hexdigest()
+        for path in fs.find("ckptkit-scale/two-hosts")
+    }
+    ckptkit.unshard(str(ws2.path), str(tmp_path / "one"), to="safetensors", max_shard_size=SHARD)
+    assert remote == digests(tmp_path / "one")
+    for node in range(2):  # each host staged its share locally and cleaned up
+        assert list((tmp_path / f"host{node}-tmp").glob("*ckptkit*")) == []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
