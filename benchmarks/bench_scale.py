@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _measure import (  # noqa: E402
     OUT_DIR,
-    REPORT_MARKER,
     Run,
     cached_input,
     child_env,
@@ -48,16 +47,16 @@ COUNTS = (1, 2, 4)
 WORK = OUT_DIR / "scale_work"
 GENERATOR_VERSION = 1
 
-#: Run by every rank (or the single process): the CLI, then one report line with this
-#: process's own peak RSS, so each rank's memory is measured, not torchrun's.
-CLI_CHILD = f"""
+#: Run by every rank (or the single process): the CLI, then this process's own peak RSS into
+#: ``$BENCH_RANKS/rank{r}.json`` (ranks share one stdout, where their lines would interleave),
+#: so each rank's memory is measured, not torchrun's.
+CLI_CHILD = """
 import os, resource, sys, json
 from ckptkit.cli import main
 code = main(sys.argv[1:])
-print({REPORT_MARKER!r} + json.dumps({{
-    "rank": int(os.environ.get("RANK", 0)),
-    "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-}}), flush=True)
+rank = int(os.environ.get("RANK", 0))
+with open(os.path.join(os.environ["BENCH_RANKS"], f"rank{rank}.json"), "w") as handle:
+    json.dump({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, handle)
 sys.exit(code)
 """
 
@@ -121,16 +120,15 @@ def argv_for(mode: str, count: int, src: str, dst: Path) -> list[str]:
 
 
 def measure(mode: str, count: int, src: str, env: dict[str, str]) -> Run:
-    dst = WORK / f"{mode}{count}"
-    shutil.rmtree(dst, ignore_errors=True)
-    result = run(argv_for(mode, count, src, dst), env=env)
-    reports = [
-        json.loads(line[len(REPORT_MARKER) :])
-        for line in result.stdout.splitlines()
-        if line.startswith(REPORT_MARKER)
-    ]
+    dst, ranks = WORK / f"{mode}{count}", WORK / f"{mode}{count}.ranks"
+    for stale in (dst, ranks):
+        shutil.rmtree(stale, ignore_errors=True)
+    ranks.mkdir(parents=True)
+    result = run(argv_for(mode, count, src, dst), env={**env, "BENCH_RANKS": str(ranks)})
+    reports = [json.loads(path.read_text()) for path in sorted(ranks.glob("rank*.json"))]
     result.report = {"per_rank_maxrss_kib": [r["maxrss_kib"] for r in reports]}
-    shutil.rmtree(dst, ignore_errors=True)
+    for done in (dst, ranks):
+        shutil.rmtree(done, ignore_errors=True)
     return result
 
 
