@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from _measure import (  # noqa: E402
     runs_json,
     write_json,
 )
+from bench_remote import S3_ENV, SERVER  # noqa: E402 - moto in a process of its own
 
 SHAPE = (16384, 1024)  # float32: 64 MiB per tensor
 WORLD_SIZE = 2  # ranks that wrote the source
@@ -180,13 +182,12 @@ def main() -> None:
         f.stat().st_size for f in Path(sources[args.layouts[0]]).iterdir() if f.is_file()
     )
     server = None
-    if args.s3:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        import s3server
-
-        server = s3server.shared()
-        env = {**env, **{k: os.environ[k] for k in os.environ if k.startswith("AWS_")}}
-        sources["rows@s3"] = upload(sources[args.layouts[0]])
+    if args.s3:  # in a process of its own: its memory must not show in the children's RSS
+        server = subprocess.Popen(
+            [sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        env = {**env, **S3_ENV, "AWS_ENDPOINT_URL": server.stdout.readline().strip()}
+        sources["rows@s3"] = upload(sources[args.layouts[0]], env)
     jobs = {
         f"{place}:{mode}:{count}": (lambda m=mode, c=count, s=src: measure(m, c, s, env))
         for place, src in sources.items()
@@ -213,18 +214,20 @@ def main() -> None:
         {"environment": before, "table": rows, "headers": headers, "runs": runs_json(runs)},
     )
     if server is not None:
-        server.stop()
+        server.stdin.close()
+        server.wait()
 
 
-def upload(local: str) -> str:
-    """Copy ``local`` to the loopback S3 server; its ``s3://`` URL."""
-    import fsspec
-
-    fs = fsspec.filesystem("s3")
-    if not fs.exists("bench-scale"):
-        fs.mkdir("bench-scale")
+def upload(local: str, env: dict[str, str]) -> str:
+    """Copy ``local`` to the loopback S3 server (from a child process); its ``s3://`` URL."""
     progress("uploading the rows source to the loopback S3 server")
-    fs.put(local, "bench-scale/rows", recursive=True)
+    code = f"""
+import fsspec
+fs = fsspec.filesystem("s3")
+fs.mkdir("bench-scale")
+fs.put({local!r}, "bench-scale/rows", recursive=True)
+"""
+    run(python_argv(code), env=env)
     return "s3://bench-scale/rows"
 
 
