@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .checkpoint import Checkpoint, detect, open
-from .convert import UnshardResult, convert, unshard
-from .diff import diff
 from .errors import (
     AccessDeniedError,
     CheckpointError,
@@ -35,15 +33,17 @@ from .errors import (
     UsageError,
 )
 from .formats import Detection
-from .reports import diff_text, inspect_text, sizes_text
+from .ops.convert import UnshardResult, convert, unshard
+from .ops.diff import diff
+from .ops.sizes import compare_sizes
+from .ops.state_dict import LoadResult, from_checkpoint, load_state_dict
+from .ops.stats import fingerprint, stats
+from .ops.verify import verify
 from .runs import Run, run
-from .sizes import compare_sizes
-from .state_dict import LoadResult, from_checkpoint, load_state_dict
-from .stats import fingerprint, stats
-from .verify import verify
+from .views.reports import diff_text, inspect_text, sizes_text
 
 if TYPE_CHECKING:
-    from . import browser
+    from .views import browser
 
 
 def browse(
@@ -57,7 +57,7 @@ def browse(
     Imported on first use, so ``import ckptkit`` needs no ipywidgets. (The module is not named
     ``browse``: importing it would rebind ``ckptkit.browse`` from this function to the module.)
     """
-    from .browser import browse as _browse
+    from .views.browser import browse as _browse
 
     return _browse(source, compare_to=compare_to, storage_options=storage_options)
 

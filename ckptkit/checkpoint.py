@@ -9,16 +9,16 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import formats
-from .catalog import Entry
+from .catalog.model import Entry
 from .errors import KeyNotFoundError
 from .formats import Detection
-from .source import Source, open_location
+from .ops.source import Source, open_location
 from .storage import Storage
 
 if TYPE_CHECKING:  # pandas is imported on first use: opening a checkpoint does not need it
     import pandas as pd
 
-    from .tables import Summary
+    from .catalog.tables import Summary
 
 
 def open(
@@ -82,28 +82,28 @@ class Checkpoint(Source):
     @cached_property
     def tensors(self) -> pd.DataFrame:
         """One row per tensor: key, group, dtype, shape, numel, nbytes, n_chunks, sharded_dims."""
-        from . import tables
+        from .catalog import tables
 
         return tables.tensors_table(self.catalog)
 
     @cached_property
     def chunks(self) -> pd.DataFrame:
         """One row per stored tensor chunk: offsets/sizes in the tensor, file, byte range, rank."""
-        from . import tables
+        from .catalog import tables
 
         return tables.chunks_table(self.catalog)
 
     @cached_property
     def files(self) -> pd.DataFrame:
         """One row per data file: size on disk, records, tensor/object bytes, framing overhead."""
-        from . import tables
+        from .catalog import tables
 
         return tables.files_table(self.catalog, self.storage.sizes(self.catalog.files))
 
     @cached_property
     def objects(self) -> pd.DataFrame:
         """One row per non-tensor entry: key, file, nbytes, type and a safe preview (reads them)."""
-        from . import tables
+        from .catalog import tables
 
         entries = self.catalog.objects()
         values = self.reader.read_objects(entries, tensors="ref") if entries else []
@@ -111,7 +111,7 @@ class Checkpoint(Source):
 
     def summary(self) -> Summary:
         """Bytes by group, dtype, file and rank, and the parameter count."""
-        from . import tables
+        from .catalog import tables
 
         metadata = self.storage.sizes(list(self.catalog.facts.metadata_files))
         return tables.summarize(self.tensors, self.objects, self.files, metadata, self.catalog)
@@ -184,14 +184,14 @@ class Checkpoint(Source):
     def config(self) -> Any:
         """The run's config saved beside the checkpoint (OLMo ``config.yaml``, OLMo-core or HF
         ``config.json``), parsed; None when there is none."""
-        from .run_config import read_config
+        from .decoding.run_config import read_config
 
         return read_config(self.storage, self.catalog.facts.config_file)
 
     @cached_property
     def config_table(self) -> pd.DataFrame:
         """:attr:`config` flattened: one row per value, ``key`` dotted (``model.d_model``)."""
-        from .run_config import config_table
+        from .decoding.run_config import config_table
 
         return config_table(self.config)
 
@@ -203,7 +203,7 @@ class Checkpoint(Source):
 
         Returns one row per problem (``file, key, problem, detail``); empty when it is sound.
         """
-        from .verify import verify_checkpoint
+        from .ops.verify import verify_checkpoint
 
         return verify_checkpoint(self, crc=crc, workers=workers)
 
@@ -217,7 +217,7 @@ class Checkpoint(Source):
         )
 
     def _repr_html_(self) -> str:
-        from .tables import human_bytes
+        from .catalog.tables import human_bytes
 
         frame = self.tensors
         groups = frame.groupby("group", sort=False)["nbytes"].sum()

@@ -16,11 +16,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import __version__, distributed
+from . import __version__
 from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
 from .errors import CheckpointError, UsageError
-from .reports import DIFF_LIST_CAP, diff_text, inspect_text, sizes_text
+from .ops import distributed
+from .views.reports import DIFF_LIST_CAP, diff_text, inspect_text, sizes_text
 
 EXIT_FOUND = 1  # diff found differences, verify found damage
 EXIT_ERROR = 2
@@ -227,7 +228,7 @@ MIN_SHARD_BYTES = 1 << 20
 def _shard_size(text: str) -> int:
     """``--max-shard-size``: ``5GB``, ``500MiB``…; a bare number under 1 MiB is refused (``5``
     meant 5 GB, not 5 bytes and thousands of files)."""
-    from .convert import parse_size
+    from .ops.convert import parse_size
 
     try:
         size = parse_size(text)
@@ -431,7 +432,7 @@ def _source(args: argparse.Namespace):
 
 
 def _unshard(args: argparse.Namespace) -> int:
-    from .convert import unshard
+    from .ops.convert import unshard
 
     result = unshard(
         _source(args),
@@ -453,7 +454,7 @@ def _unshard(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from .ops.convert import convert
 
     result = convert(
         _source(args),
@@ -473,7 +474,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from .diff import SAME, diff
+    from .ops.diff import SAME, diff
 
     key_map = None
     if args.key_map:
@@ -515,7 +516,7 @@ def diff_json(frame, same: bool) -> dict:
 
 
 def _sizes(args: argparse.Namespace) -> int:
-    from .sizes import compare_sizes
+    from .ops.sizes import compare_sizes
 
     frame = compare_sizes(*args.paths, labels=args.labels, storage_options=_storage_options(args))
     if args.json:
@@ -531,7 +532,7 @@ def _sizes(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .ops.verify import verify
 
     frame = verify(
         args.path, crc=args.crc, workers=args.workers, storage_options=_storage_options(args)
@@ -638,7 +639,7 @@ def _add_stats(commands) -> None:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from .stats import stats
+    from .ops.stats import stats
 
     frame = stats(
         args.path,

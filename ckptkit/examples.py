@@ -428,7 +428,7 @@ def _main() -> None:
 
     # Import by module name so spawned ranks pickle `ckptkit.examples._train_and_save`,
     # not a function of `__main__`.
-    from ckptkit.examples import write_sample as write
+    from .examples import write_sample as write
 
     out = write(
         ns.path,

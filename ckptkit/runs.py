@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from . import formats
 from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
-from .diff import diff
 from .errors import (
     CheckpointError,
     FormatError,
@@ -34,7 +33,8 @@ from .errors import (
     UsageError,
 )
 from .formats.pointers import MAX_STEP_DIRS, checkpoints_below
-from .stats import COLUMNS, select_tensors, tensor_rows
+from .ops.diff import diff
+from .ops.stats import COLUMNS, select_tensors, tensor_rows
 from .storage import Storage
 
 if TYPE_CHECKING:

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 import ckptkit
-from ckptkit import browser, plots
-from ckptkit.catalog import Chunk
+from ckptkit import tunables
+from ckptkit.catalog.model import Chunk
+from ckptkit.views import browser, plots
 
 from oracle import torch_keys
 
@@ -142,7 +143,7 @@ def test_nan_inf_zeros_and_progress(tmp_path, monkeypatch):
     values[0, 0], values[1, 1], values[2, 2] = math.nan, math.inf, -math.inf
     torch.save({"x": values}, tmp_path / "model.pt")
     monkeypatch.setattr(browser, "PROGRESS_BYTES", 0)  # every tensor counts as large
-    monkeypatch.setattr(browser, "BLOCK_ELEMENTS", 5)  # 24 elements in 5 blocks
+    monkeypatch.setattr(tunables, "BLOCK_ELEMENTS", 5)  # 24 elements in 5 blocks
     ui = ckptkit.browse(str(tmp_path / "model.pt"))
     seen: list[float] = []
     ui._progress.observe(lambda change: seen.append(change["new"]), "value")

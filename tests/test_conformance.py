@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.catalog import Chunk, Entry, Record
+from ckptkit.catalog.model import Chunk, Entry, Record
 
 from conformance_cases import CASES, Case, Oracle, Workspace, expected_matches
 from isolated import run_script

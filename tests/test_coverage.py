@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptkit import coverage
-from ckptkit.catalog import Chunk, Entry
-from ckptkit.coverage import check_coverage, first_fault
+from ckptkit import tunables
+from ckptkit.catalog.coverage import check_coverage, first_fault
+from ckptkit.catalog.model import Chunk, Entry
 from ckptkit.errors import CoverageError, LimitExceededError
 from ckptkit.reading import check_coverage as reading_check_coverage
 
@@ -324,7 +324,7 @@ def test_too_irregular_layouts_hit_the_work_limit(monkeypatch):
     assert first_fault(shape, boxes) is None
     with pytest.raises(LimitExceededError, match="too irregular"):
         first_fault(shape, boxes, limit=40)
-    monkeypatch.setattr(coverage, "WORK_LIMIT", 40)
+    monkeypatch.setattr(tunables, "WORK_LIMIT", 40)
     entry = entry_of(shape, boxes)
     with pytest.raises(LimitExceededError, match="'w': the chunk layout is too irregular"):
         check_coverage(entry, list(entry.chunks))

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import ckptkit
-from ckptkit.records import zip_members
+from ckptkit.decoding.records import zip_members
 
 LEGACY = Path(__file__).parent / "fixtures" / "olmo_torch_legacy_ws2" / "step3"
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import tensor_blocks
+from ckptkit import tunables
 from ckptkit.cli import main
 
 from isolated import run_script
 from oracle import torch_keys
 from writers import ADDED, CLOSE, MUTANT_STEP, PERTURBED, RECAST, REMOVED, RESHAPED, mutant_state
 
-DIFF = importlib.import_module("ckptkit.diff")  # the module (``ckptkit.diff`` is the function)
+DIFF = importlib.import_module("ckptkit.ops.diff")  # the module (``ckptkit.diff`` is the function)
 
 # the fixtures ws2 (fsdp2_ws2), mutant (its changed copy) and unsharded are in conftest.py
 
@@ -151,7 +151,7 @@ def test_small_blocks_give_the_same_answer(ws2, mutant, monkeypatch):
     """Blocks of 7 elements: leading identical blocks of the perturbed tensor are re-read for
     its norm; every number equals the one-block result."""
     whole = ckptkit.diff(str(ws2.path), str(mutant), keys="model.*")
-    monkeypatch.setattr(tensor_blocks, "BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(tunables, "BLOCK_ELEMENTS", 7)
     blocked = ckptkit.diff(str(ws2.path), str(mutant), keys="model.*")
     assert blocked["status"].tolist() == whole["status"].tolist()
     for column in ("max_abs", "mean_abs", "rel_l2", "cosine", "frac_outside"):

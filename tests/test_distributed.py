@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.distributed import JobProgress, Ranks, balance, current, rank_logger
 from ckptkit.errors import DistributedError, UsageError
+from ckptkit.ops.distributed import JobProgress, Ranks, balance, current, rank_logger
 
 #: One rank of a test job: ``python job.py SCENARIO OUT_DIR``; writes OUT_DIR/rank{r}.json.
 RANK_JOB = textwrap.dedent(

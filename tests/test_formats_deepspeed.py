@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.errors import CheckpointError, CorruptRecordError, FormatError
-from ckptkit.formats.parts.zero_geometry import partitioned_layout, stage3_layout
+from ckptkit.formats.deepspeed_zero.geometry import partitioned_layout, stage3_layout
 from ckptkit.storage import Storage
 
 from conformance_cases import DEEPSPEED_ITEMS, FIXTURES, deepspeed_oracle, expected_matches

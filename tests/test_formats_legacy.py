@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.decoding.unpickler import is_opaque
 from ckptkit.formats import olmo_core_v0, olmo_dcp, olmo_local, rank_files
-from ckptkit.unpickler import is_opaque
 
 from isolated import run_script
 from oracle import assert_bit_equal, assert_matches_sha256, raw_bytes

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import ckptkit
+from ckptkit.decoding.unpickler import TensorRef, is_opaque
 from ckptkit.formats.parts.torch_save_files import group_of, load_pickles, tensor_record
 from ckptkit.storage import Storage
-from ckptkit.unpickler import TensorRef, is_opaque
 
 from conformance_cases import flatten_tensors
 from oracle import assert_bit_equal, raw_bytes

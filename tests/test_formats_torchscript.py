@@ -18,12 +18,7 @@ import torch
 from torch import nn
 
 import ckptkit
-from ckptkit.errors import (
-    CorruptRecordError,
-    FormatError,
-    LimitExceededError,
-    UnsafePickleError,
-)
+from ckptkit.errors import CorruptRecordError, FormatError, LimitExceededError, UnsafePickleError
 
 from oracle import assert_bit_equal, inspect_without_torch, raw_bytes
 

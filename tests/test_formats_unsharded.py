@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint._traverse import traverse_state_dict
 
 import ckptkit
-from ckptkit.catalog import Encoding
-from ckptkit.state_dict import load_state_dict
-from ckptkit.unpickler import is_opaque
+from ckptkit.catalog.model import Encoding
+from ckptkit.decoding.unpickler import is_opaque
+from ckptkit.ops.state_dict import load_state_dict
 
 from oracle import assert_bit_equal, inspect_without_torch, raw_bytes
 from writers import write_hf_safetensors

@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.formats.parts.dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
-from ckptkit.pickle_limits import METADATA_LIMITS, RECORD_LIMITS
-from ckptkit.records import (
+from ckptkit.decoding.pickle_limits import METADATA_LIMITS, RECORD_LIMITS
+from ckptkit.decoding.records import (
     TorchArchive,
     decode_object_record,
     decode_tensor_record,
@@ -26,7 +25,8 @@ from ckptkit.records import (
     safetensors_header_length,
     zip_members,
 )
-from ckptkit.unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, safe_loads
+from ckptkit.decoding.unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, safe_loads
+from ckptkit.formats.parts.dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 DCP_DIR = FIXTURES / "olmo_torch_new_ws2" / "step3" / "model_and_optim"

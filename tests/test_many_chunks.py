@@ -17,13 +17,14 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptkit
-from ckptkit import reading, record_layouts
-from ckptkit.catalog import Chunk, Entry
-from ckptkit.coverage import check_coverage, first_fault
+from ckptkit import reading, tunables
+from ckptkit.catalog.coverage import check_coverage, first_fault
+from ckptkit.catalog.model import Chunk, Entry
+from ckptkit.decoding import record_layouts
+from ckptkit.decoding.records import TorchArchive
 from ckptkit.dtypes import dtype as ckpt_dtype
 from ckptkit.errors import ChecksumError, CorruptRecordError, CoverageError, TruncatedFileError
 from ckptkit.examples import _spawn
-from ckptkit.records import TorchArchive
 from ckptkit.storage import Storage
 
 from oracle import assert_bit_equal
@@ -157,7 +158,7 @@ def test_column_shards_stream_in_row_blocks(many, monkeypatch):
     """A column-sharded tensor larger than a row block streams in several pieces of at most
     a block each, which join to torch's tensor; small blocks are forced here."""
     path, expected = many
-    monkeypatch.setattr(reading, "ROW_BLOCK_BYTES", 1000)
+    monkeypatch.setattr(tunables, "ROW_BLOCK_BYTES", 1000)
     ckpt = ckptkit.open(str(path))
     for name in COLUMNS:
         entry = ckpt.catalog.entries[f"model.{name}"]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import pickle_limits, tables, unpickler
+from ckptkit.catalog import tables
+from ckptkit.decoding import pickle_limits, unpickler
 from ckptkit.errors import CheckpointError, CorruptRecordError
 
 from oracle import assert_catalog_matches_torch

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import plots
 from ckptkit.examples import sample_checkpoint, sample_workspace
+from ckptkit.views import plots
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 FIXTURES = Path(__file__).parent / "fixtures"

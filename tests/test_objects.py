@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 import ckptkit
 from ckptkit import reading
-from ckptkit.known_objects import CycleRef, Device
-from ckptkit.unpickler import is_opaque
+from ckptkit.decoding.known_objects import CycleRef, Device
+from ckptkit.decoding.unpickler import is_opaque
 
 TESTS = pathlib.Path(__file__).parent
 
@@ -427,7 +427,7 @@ def test_cycle_of_plain_containers_is_refused_naming_where(tmp_path):
 
 
 def test_cycles_stay_refused_in_dcp_metadata():
-    from ckptkit.pickle_limits import METADATA_LIMITS, OBJECT_LIMITS, check_value
+    from ckptkit.decoding.pickle_limits import METADATA_LIMITS, OBJECT_LIMITS, check_value
 
     node = Holder()
     node.me = [node]
@@ -483,8 +483,8 @@ def test_empty_tensors_have_torch_strides(tmp_path):
 def test_pickle_of_placeholder_never_imports_its_module():
     """A global whose module does not exist here is written back all the same."""
     payload = b"\x80\x02cno_such_module_xyz\nThing\n)\x81}X\x01\x00\x00\x00aK\x01sb."
-    from ckptkit.unpickler import OBJECT_GLOBALS, safe_loads
-    from ckptkit.writers import torch_save
+    from ckptkit.decoding.unpickler import OBJECT_GLOBALS, safe_loads
+    from ckptkit.ops.writers import torch_save
 
     thing = safe_loads(payload, allow=OBJECT_GLOBALS, source="x", unknown="opaque")
     data, _ = torch_save.dumps({"thing": thing})
@@ -496,8 +496,8 @@ def test_pickle_of_placeholder_never_imports_its_module():
 
 def test_global_names_that_would_inject_opcodes_are_refused_when_writing():
     """STACK_GLOBAL names are any string; one with a newline must not reach a GLOBAL line."""
-    from ckptkit.unpickler import OBJECT_GLOBALS, safe_loads
-    from ckptkit.writers import torch_save
+    from ckptkit.decoding.unpickler import OBJECT_GLOBALS, safe_loads
+    from ckptkit.ops.writers import torch_save
 
     hostile = b"\x80\x04\x8c\x05a\nb\nc\x8c\x01X\x93)\x81."
     thing = safe_loads(hostile, allow=OBJECT_GLOBALS, source="x", unknown="opaque")

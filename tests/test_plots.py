@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.tables import human_bytes
+from ckptkit.catalog.tables import human_bytes
 
 from writers import CLOSE, PERTURBED, RECAST, mutant_state
 
@@ -21,7 +21,7 @@ def plots():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ckptkit import plots
+    from ckptkit.views import plots
 
     yield plots
     plt.close("all")

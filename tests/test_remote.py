@@ -16,6 +16,7 @@ import torch
 
 import ckptkit
 from ckptkit import storage as storage_module
+from ckptkit import tunables
 from ckptkit.errors import AccessDeniedError, CorruptRecordError, MissingFileError, StorageError
 from ckptkit.storage import Storage
 
@@ -28,7 +29,7 @@ SLACK = 1.02
 @pytest.fixture(autouse=True)
 def fast_backoff_and_clean_log(monkeypatch, request):
     """Short retry backoffs; the server's log and pending failures cleared after each test."""
-    monkeypatch.setattr(storage_module, "RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(tunables, "RETRY_BACKOFF_S", 0.01)
     yield
     if "s3" in request.fixturenames:
         request.getfixturevalue("s3").traffic.reset()
@@ -149,8 +150,8 @@ def test_load_state_dict_from_s3_equals_local(url, local):
 def test_large_ranges_are_fetched_in_bounded_pieces(s3, url, local, monkeypatch):
     """Requests never exceed MAX_REQUEST bytes: a record is fetched in pieces (in parallel),
     ``.metadata`` streamed in SEQUENTIAL_PIECE pieces, all exactly once."""
-    monkeypatch.setattr(storage_module, "MAX_REQUEST", 4096)
-    monkeypatch.setattr(storage_module, "SEQUENTIAL_PIECE", 8192)
+    monkeypatch.setattr(tunables, "MAX_REQUEST", 4096)
+    monkeypatch.setattr(tunables, "SEQUENTIAL_PIECE", 8192)
     s3.traffic.reset()
     ckpt = ckptkit.open(url)
     metadata = s3.traffic.gets(key_of(url, ".metadata"))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import ckptkit
+from ckptkit.decoding.records import zip_members
 from ckptkit.errors import ChecksumError, UsageError
-from ckptkit.records import zip_members
 
 #: Small enough that the sample's model and optimizer split into many shards: many work items.
 SHARD = "64KiB"

@@ -23,12 +23,15 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ckptkit
+from ckptkit import tunables
 from ckptkit.cli import main
 from ckptkit.reading import Reader
 
 from oracle import lookup, raw_bytes, torch_keys
 
-STATS = importlib.import_module("ckptkit.stats")  # the module (``ckptkit.stats`` is the function)
+STATS = importlib.import_module(
+    "ckptkit.ops.stats"
+)  # the module (``ckptkit.stats`` is the function)
 
 # the fixtures ws2 (fsdp2_ws2) and unsharded (its ckptkit unshards) are in conftest.py
 
@@ -242,7 +245,7 @@ def test_two_lanes_and_one_lane_give_the_same_rows(ws2, monkeypatch):
     with small blocks handed to the helper thread while the next ones are read."""
     ckpt = ckptkit.open(str(ws2.path))
     entries = STATS.select_tensors(ckpt, None, None)
-    monkeypatch.setattr(STATS.tensor_blocks, "BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(tunables, "BLOCK_ELEMENTS", 1000)
     monkeypatch.setattr(STATS._Lane, "INLINE", 0)  # every tensor through the helper thread
     assert STATS._two_lanes_fit(entries)
     two = ckptkit.stats(ckpt)

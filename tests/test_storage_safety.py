@@ -33,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import ckptkit
 from ckptkit import storage as storage_module
+from ckptkit import tunables
 from ckptkit.errors import (
     CorruptRecordError,
     DestinationError,
@@ -354,7 +355,7 @@ def test_read_file_refuses_a_file_beyond_the_limit_before_reading(tmp_path, monk
     message = str(info.value)
     assert str(root / "index.json") in message and str((2 << 20) + 2) in message
     assert str(1 << 20) in message and "SMALL_FILE_LIMIT" in message
-    monkeypatch.setattr(storage_module, "SMALL_FILE_LIMIT", 1 << 20)
+    monkeypatch.setattr(tunables, "SMALL_FILE_LIMIT", 1 << 20)
     with pytest.raises(LimitExceededError):
         storage.read_file("index.json")
     assert storage.read_file("index.json", max_bytes=3 << 20).startswith(b"{}")

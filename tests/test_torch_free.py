@@ -97,7 +97,7 @@ def test_pickled_state_dict_is_byte_identical_to_torch_save():
 
     import torch
 
-    from ckptkit.writers import torch_save
+    from ckptkit.ops.writers import torch_save
 
     state = {
         "w": torch.zeros(2, 3),

@@ -27,15 +27,10 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptkit
+from ckptkit.catalog.output_names import decode_stem, encode_stem
 from ckptkit.cli import main as cli_main
-from ckptkit.errors import (
-    CheckpointError,
-    LimitExceededError,
-    MissingFileError,
-    OutputNameError,
-)
+from ckptkit.errors import CheckpointError, LimitExceededError, MissingFileError, OutputNameError
 from ckptkit.formats.torch_save import group_of
-from ckptkit.output_names import decode_stem, encode_stem
 
 from oracle import assert_bit_equal
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckptkit
-from ckptkit.unpickler import OBJECT_GLOBALS, is_opaque, safe_loads
+from ckptkit.decoding.unpickler import OBJECT_GLOBALS, is_opaque, safe_loads
 
 FIXTURE = Path(__file__).parent / "fixtures" / "olmo_torch_new_ws2" / "step3" / "model_and_optim"
 
@@ -203,7 +203,7 @@ def test_large_pickles_with_deep_tuples_load_on_a_big_stack():
     """Beyond the simulated size the unpickler runs on a thread whose stack fits the deepest
     nesting the input could build: a 3-million-deep tuple loads instead of crashing, and the
     value check then refuses it before anything hashes or walks it."""
-    from ckptkit.pickle_limits import METADATA_LIMITS
+    from ckptkit.decoding.pickle_limits import METADATA_LIMITS
 
     data = b"\x80\x02]" + b")" + b"\x85" * 3_000_000 + b"a."
     value = safe_loads(data, allow={}, source="big", limits=METADATA_LIMITS)
@@ -327,7 +327,7 @@ def test_trust_runs_the_real_loader_for_objects_only(tmp_path):
 def test_build_cannot_rewrite_allowlisted_globals(module, name):
     """GLOBAL + BUILD with slot state would otherwise change a shared stand-in for every later
     load (a storage class's dtype, a function's defaults)."""
-    from ckptkit.unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS
+    from ckptkit.decoding.unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS
 
     state = {"dtype": OBJECT_GLOBALS["torch.int64"], "__defaults__": (True,)}
     crafted = (
@@ -343,6 +343,6 @@ def test_build_cannot_rewrite_allowlisted_globals(module, name):
     assert TENSOR_GLOBALS["torch.FloatStorage"].dtype.name == "float32"
     buffer = io.BytesIO()
     torch.save(torch.ones(2), buffer)
-    from ckptkit.records import decode_tensor_record
+    from ckptkit.decoding.records import decode_tensor_record
 
     assert decode_tensor_record(buffer.getvalue(), "record").dtype.name == "float32"

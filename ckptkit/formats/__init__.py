@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..catalog import Catalog
+from ..catalog.model import Catalog
 from ..errors import (
     AccessDeniedError,
     FormatError,

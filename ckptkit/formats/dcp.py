@@ -5,7 +5,7 @@ Described from the metadata alone (see :mod:`.parts.dcp_metadata`); never reads 
 
 from __future__ import annotations
 
-from ..catalog import Catalog, CatalogBuilder, Facts
+from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import MissingFileError
 from ..storage import Storage
 from .detection import Detection

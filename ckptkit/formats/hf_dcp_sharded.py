@@ -20,7 +20,8 @@ import math
 import re
 from collections.abc import Mapping
 
-from ..catalog import (
+from ..catalog.coverage import check_chunks
+from ..catalog.model import (
     Catalog,
     CatalogBuilder,
     Chunk,
@@ -30,11 +31,10 @@ from ..catalog import (
     Record,
     distinct_chunks,
 )
-from ..coverage import check_chunks
+from ..decoding.records import SafetensorsHeader, safetensors_file_headers
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import first_missing
-from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
 from .detection import Detection, file_location
 

@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dtypes
-from ..catalog import (
+from ..catalog.coverage import check_chunks
+from ..catalog.model import (
     Catalog,
     CatalogBuilder,
     Chunk,
@@ -33,11 +34,10 @@ from ..catalog import (
     distinct_chunks,
     pickle_leaf,
 )
-from ..coverage import check_chunks
+from ..decoding.records import SafetensorsHeader, safetensors_file_headers
+from ..decoding.unpickler import OBJECT_GLOBALS, safe_loads
 from ..errors import CorruptRecordError, FormatError, MissingFileError
-from ..records import SafetensorsHeader, safetensors_file_headers
 from ..storage import Storage
-from ..unpickler import OBJECT_GLOBALS, safe_loads
 from .detection import Detection, file_location
 from .parts.rank_sets import TRAIN_GROUP, describe_ranks, rank_files
 from .parts.torch_save_files import leaves

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..catalog import Catalog, CatalogBuilder, Facts
+from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import first_missing
 from ..storage import Storage

@@ -23,13 +23,13 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
-from ..coverage import check_chunks
+from ..catalog.coverage import check_chunks
+from ..catalog.model import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record
+from ..decoding.unpickler import OBJECT_GLOBALS, TensorRef
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import count_missing, first_missing
 from ..storage import Storage
-from ..unpickler import OBJECT_GLOBALS, TensorRef
 from .detection import Detection, file_location
 from .parts import torch_save_files
 from .parts.rank_sets import RANK_FILE, TRAIN_GROUP, describe_ranks

@@ -4,7 +4,7 @@ one catalog (see :mod:`.parts.rank_sets`)."""
 
 from __future__ import annotations
 
-from ..catalog import Catalog, CatalogBuilder, Facts
+from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import FormatError, MissingFileError
 from ..storage import Storage
 from .detection import Detection, file_location

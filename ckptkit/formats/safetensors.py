@@ -20,11 +20,20 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ..catalog import Catalog, CatalogBuilder, Chunk, Encoding, Entry, Facts, Record, pickle_leaf
+from ..catalog.model import (
+    Catalog,
+    CatalogBuilder,
+    Chunk,
+    Encoding,
+    Entry,
+    Facts,
+    Record,
+    pickle_leaf,
+)
+from ..decoding.records import safetensors_file_headers
+from ..decoding.unpickler import OBJECT_GLOBALS, safe_loads
 from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
-from ..records import safetensors_file_headers
 from ..storage import Storage
-from ..unpickler import OBJECT_GLOBALS, safe_loads
 from .detection import Detection, file_location
 from .parts import torch_save_files as torch_save
 

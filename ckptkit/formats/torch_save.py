@@ -4,7 +4,7 @@ checkpoint suffix (see :mod:`.parts.torch_save_files`)."""
 
 from __future__ import annotations
 
-from ..catalog import Catalog, CatalogBuilder
+from ..catalog.model import Catalog, CatalogBuilder
 from ..errors import FormatError, MissingFileError
 from ..storage import Storage
 from .detection import Detection, file_location

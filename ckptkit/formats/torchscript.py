@@ -19,7 +19,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import Catalog, CatalogBuilder, Entry
+from ..catalog.model import Catalog, CatalogBuilder, Entry
+from ..decoding.records import ZipIndex, read_members, read_zip_indexes
+from ..decoding.unpickler import OBJECT_GLOBALS, TensorRef, is_opaque, safe_loads
 from ..errors import (
     CorruptRecordError,
     FormatError,
@@ -27,9 +29,7 @@ from ..errors import (
     MissingFileError,
     UnsafePickleError,
 )
-from ..records import ZipIndex, read_members, read_zip_indexes
 from ..storage import Storage
-from ..unpickler import OBJECT_GLOBALS, TensorRef, is_opaque, safe_loads
 from .detection import Detection, file_location
 from .parts.torch_save_files import directory_files, group_of, probe, tensor_entry
 

@@ -14,7 +14,9 @@ import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...catalog import Chunk, Encoding, Entry, Record
+from ...catalog.model import Chunk, Encoding, Entry, Record
+from ...decoding.pickle_limits import METADATA_LIMITS
+from ...decoding.unpickler import COMMON_GLOBALS, paused_gc, safe_loads, unsealed
 from ...dtypes import DType
 from ...errors import (
     CorruptRecordError,
@@ -23,9 +25,7 @@ from ...errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from ...pickle_limits import METADATA_LIMITS
 from ...storage import Storage
-from ...unpickler import COMMON_GLOBALS, paused_gc, safe_loads, unsealed
 
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from ...decoding.pickle_limits import OBJECT_LIMITS, RECORD_LIMITS
+from ...decoding.unpickler import StorageRef, safe_loads
 from ...errors import CorruptRecordError, FormatError, LimitExceededError, TruncatedFileError
-from ...pickle_limits import OBJECT_LIMITS, RECORD_LIMITS
 from ...storage import Storage
-from ...unpickler import StorageRef, safe_loads
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

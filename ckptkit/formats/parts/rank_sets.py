@@ -50,12 +50,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...catalog import Chunk, Entry, pickle_leaf
+from ...catalog.model import Chunk, Entry, pickle_leaf
+from ...decoding.unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
 from ...dtypes import DType
 from ...errors import CoverageError, FormatError, UnsafePickleError
 from ...limits import count_missing, first_missing, ranks_text
 from ...storage import Storage
-from ...unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
 from .dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
 from .dcp_metadata import restricted_getattr
 from .torch_save_files import Pickled, leaves, load_pickles, tensor_record

@@ -14,12 +14,12 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...catalog import Chunk, Encoding, Entry, Record, pickle_leaf
+from ...catalog.model import Chunk, Encoding, Entry, Record, pickle_leaf
+from ...catalog.output_names import group_of_file
+from ...decoding.records import Member, ZipIndex, read_zip_indexes
+from ...decoding.unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
 from ...errors import CorruptRecordError, FormatError
-from ...output_names import group_of_file
-from ...records import Member, ZipIndex, read_zip_indexes
 from ...storage import Storage
-from ...unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
 from .legacy_torch_save import MAGIC_PREFIX, LegacyIndex, Span, is_legacy_head, read_legacy
 
 #: Names of torch.save files in a directory (a file the user names is recognised by content).

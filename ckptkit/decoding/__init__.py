@@ -1,0 +1,3 @@
+"""Decoding untrusted bytes: the one safe unpickler and its limits, the objects it knows, and the
+records of torch.save zips, safetensors headers and config files. Nothing here runs checkpoint
+code; everything here reads through :mod:`ckptkit.storage`."""

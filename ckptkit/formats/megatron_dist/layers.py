@@ -1,0 +1,217 @@
+"""Per-layer views of Megatron's stacked layer tensors, without copying a byte.
+
+Megatron-core stores homogeneous transformer layers under one key with a leading layer axis
+(``decoder.layers.mlp.linear_fc1.weight`` is ``[L, …]``). A per-layer entry
+(``decoder.layers.{i}.mlp.linear_fc1.weight``) has as chunks the stored chunks' slices at layer
+``i`` with the layer axis dropped. A DCP record is a whole torch.save archive whose tensor has
+the stored chunk's shape, so each slice needs a record of its own: the archive's zip directory
+and ``data.pkl`` are read (by range, never the storage bytes) to find the tensor's storage
+member, and each slice becomes a RAW record over that member (its strides and offset taken
+from ``data.pkl``). The cost is three batched rounds of small range reads per checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from ...catalog.model import Chunk, Encoding, Entry, Record
+from ...decoding.pickle_limits import RECORD_LIMITS
+from ...decoding.records import Member, ZipIndex, central_directory, end_record, located
+from ...decoding.unpickler import TENSOR_GLOBALS, TensorRef, safe_loads
+from ...errors import CheckpointError, CorruptRecordError, FormatError
+from ...storage import Storage
+from ..parts.torch_save_files import tensor_record
+
+#: ``layers.`` followed by a name, not an index: the stacked layer axis (``decoder.layers.mlp``).
+STACKED = re.compile(r"(?:^|\.)layers\.(?!\d+(?:\.|$))")
+#: Bytes read from the end of a record to find its zip directory (torch.save archives have a
+#: handful of members: their directory is a few hundred bytes).
+_TAIL = 4096
+
+
+def stacked_name(key: str) -> bool:
+    """True when ``key`` (a stored key) names a tensor with a leading layer axis."""
+    return STACKED.search(key) is not None
+
+
+def layer_key(key: str, layer: int) -> str:
+    """``decoder.layers.mlp.x`` → ``decoder.layers.{layer}.mlp.x`` (the first stacked axis)."""
+    match = STACKED.search(key)
+    return f"{key[: match.end()]}{layer}.{key[match.end() :]}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Located:
+    """A record's tensor: its ``data.pkl`` view and the archive's members (file offsets)."""
+
+    ref: TensorRef
+    index: ZipIndex
+
+
+def layer_chunks(
+    storage: Storage, stacked: list[Entry]
+) -> tuple[dict[str, list[tuple[Chunk, ...]]], dict[str, str]]:
+    """For each stacked entry (by key), the chunks of each of its ``shape[0]`` layers: the
+    stored chunks' slices, each with a RAW record over the stored bytes; and, by key, why an
+    entry has none (a damaged record: the checkpoint still opens, ``verify`` names it)."""
+    try:
+        return _layer_chunks(storage, stacked), {}
+    except CheckpointError:
+        pass
+    out: dict[str, list[tuple[Chunk, ...]]] = {}
+    failed: dict[str, str] = {}
+    for entry in stacked:  # one by one, to keep every entry that is intact
+        try:
+            out.update(_layer_chunks(storage, [entry]))
+        except CheckpointError as exc:
+            failed[entry.key] = str(exc)
+    return out, failed
+
+
+def _layer_chunks(storage: Storage, stacked: list[Entry]) -> dict[str, list[tuple[Chunk, ...]]]:
+    records = [
+        chunk.record
+        for entry in stacked
+        for chunk in entry.chunks
+        if chunk.record is not None and chunk.numel
+    ]
+    located = _locate(storage, records)
+    out: dict[str, list[tuple[Chunk, ...]]] = {}
+    for entry in stacked:
+        layers: list[list[Chunk]] = [[] for _ in range(entry.shape[0])]
+        for chunk in entry.chunks:
+            for layer, piece in _slices(entry, chunk, located):
+                layers[layer].append(piece)
+        out[entry.key] = [tuple(chunks) for chunks in layers]
+    return out
+
+
+def _slices(
+    entry: Entry, chunk: Chunk, located: dict[int, _Located]
+) -> Iterator[tuple[int, Chunk]]:
+    """``(layer, chunk)`` for each layer ``chunk`` spans: its box without the layer axis and a
+    RAW record over the layer's elements."""
+    if (
+        len(chunk.offsets) != len(entry.shape)
+        or len(chunk.sizes) != len(entry.shape)
+        or chunk.offsets[0] + chunk.sizes[0] > entry.shape[0]
+    ):
+        raise FormatError(
+            f"{entry.key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} is "
+            f"outside the shape {list(entry.shape)}"
+        )
+    first, count = chunk.offsets[0], chunk.sizes[0]
+    record = chunk.record
+    found = located.get(id(record)) if record is not None and chunk.numel else None
+    if found is not None and tuple(found.ref.shape) != tuple(chunk.sizes):
+        raise FormatError(
+            f"{record.file} @{record.offset}: {entry.key!r} record holds shape "
+            f"{list(found.ref.shape)}, the metadata says {list(chunk.sizes)}"
+        )
+    for step in range(count):
+        piece = None
+        if found is not None:
+            ref = found.ref
+            sliced = TensorRef(
+                ref.storage,
+                ref.storage_offset + step * ref.stride[0],
+                ref.shape[1:],
+                ref.stride[1:],
+                ref.dtype,
+            )
+            source = f"{record.file} @{record.offset}"
+            piece = tensor_record(entry.key, sliced, found.index, source)
+        yield first + step, Chunk(chunk.offsets[1:], chunk.sizes[1:], piece, chunk.rank)
+
+
+def _locate(storage: Storage, records: Iterable[Record]) -> dict[int, _Located]:
+    """Each TORCH_SAVE record's tensor view and storage member, by ``id(record)``."""
+    out = {}
+    records = list(records)
+    # chunks of one shape pickle to the same bytes: decode each distinct data.pkl once (the
+    # stand-ins it builds are immutable)
+    decoded: dict[bytes, TensorRef] = {}
+    for record, (index, data) in zip(records, archive_pickles(storage, records), strict=True):
+        ref = decoded.get(data)
+        if ref is None:
+            source = f"{storage.describe(record.file)} @{record.offset}"
+            ref = safe_loads(data, allow=TENSOR_GLOBALS, source=source, limits=RECORD_LIMITS)
+            if not isinstance(ref, TensorRef) or not ref.shape:
+                raise CorruptRecordError(f"{source}: the record holds no stacked tensor")
+            decoded[data] = ref
+        out[id(record)] = _Located(ref, index)
+    return out
+
+
+def archive_pickles(storage: Storage, records: list[Record]) -> list[tuple[ZipIndex, bytes]]:
+    """For each TORCH_SAVE record (a torch.save archive inside a larger file): its members,
+    located in that file, and its ``data.pkl`` bytes; three batched rounds of range reads (the
+    archives' last bytes, the members' local headers, the pickles), no storage bytes."""
+    if any(r.encoding is not Encoding.TORCH_SAVE or r.transform for r in records):
+        raise FormatError("only plain torch.save records (no zstd) can be indexed here")
+    tails = storage.read_ranges(
+        [(r.file, max(r.offset, r.offset + r.length - _TAIL), r.offset + r.length) for r in records]
+    )
+    listed = []
+    for record, tail in zip(records, tails, strict=True):
+        source = f"{storage.describe(record.file)} @{record.offset}"
+        start = max(0, record.length - _TAIL)
+        count, offset, size = end_record(tail, start, source)
+        if offset < start or offset + size > record.length:
+            raise CorruptRecordError(f"{source}: zip directory outside the record's last bytes")
+        members = central_directory(tail[offset - start : offset - start + size], count, source)
+        listed.append([m for m in members if _needed(m[0])])
+    heads = iter(
+        storage.read_ranges(
+            [
+                (r.file, r.offset + local, r.offset + local + 30)
+                for r, members in zip(records, listed, strict=True)
+                for _, local, _ in members
+            ]
+        )
+    )
+    indexes = [
+        _index(storage, record, members, heads)
+        for record, members in zip(records, listed, strict=True)
+    ]
+    wanted = []
+    for record, index in zip(records, indexes, strict=True):
+        source = f"{storage.describe(record.file)} @{record.offset}"
+        data_pkl = index.member("data.pkl", source)
+        order = index.members.get(index.prefix + "byteorder", Member(data_pkl.offset, 0, 0))
+        wanted += [
+            (record.file, data_pkl.offset, data_pkl.offset + data_pkl.size),
+            (record.file, order.offset, order.offset + order.size),
+        ]
+    blobs = storage.read_ranges(wanted)
+    out = []
+    for position, (record, index) in enumerate(zip(records, indexes, strict=True)):
+        if blobs[2 * position + 1] not in (b"", b"little"):
+            raise CorruptRecordError(
+                f"{storage.describe(record.file)} @{record.offset}: big-endian records are not "
+                "supported"
+            )
+        out.append((index, blobs[2 * position]))
+    return out
+
+
+def _needed(name: str) -> bool:
+    """The members a record is read through: its pickle, byte order and storages."""
+    return name.endswith(("/data.pkl", "/byteorder")) or "/data/" in name
+
+
+def _index(storage: Storage, record: Record, members: list, heads: Iterator[bytes]) -> ZipIndex:
+    """A record's zip members with their data offsets in the record's file."""
+    source = f"{storage.describe(record.file)} @{record.offset}"
+    found: dict[str, Member] = {}
+    for name, local, listed_member in members:
+        member = located(listed_member, next(heads), local, name, source)
+        if member.offset + member.size > record.length:
+            raise CorruptRecordError(f"{source}: zip member {name!r} extends past the record")
+        found[name] = replace(member, offset=record.offset + member.offset)
+    pickles = [name for name in found if name.endswith("data.pkl")]
+    if len(pickles) != 1:
+        raise CorruptRecordError(f"{source}: expected one data.pkl, found {len(pickles)}")
+    return ZipIndex(record.file, pickles[0][: -len("data.pkl")], found)

@@ -1,0 +1,3 @@
+"""Operations on any checkpoint, never knowing its format: unshard / convert, diff, stats, sizes,
+verify, state dicts, and the plan → execute machinery (threads, torch.distributed ranks) with the
+writers of the formats ckptkit produces."""

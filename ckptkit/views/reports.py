@@ -1,0 +1,112 @@
+"""Plain-text reports of a checkpoint, a diff and a sizes table: what the ``ckptkit`` command
+prints, as functions notebooks and scripts can call (``print(inspect_text(ckpt))``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..checkpoint import Checkpoint
+
+__all__ = ["DIFF_LIST_CAP", "diff_text", "inspect_text", "sizes_text"]
+
+
+#: Keys listed per status in ``diff``'s text output unless ``--all`` is given.
+DIFF_LIST_CAP = 20
+
+
+def diff_text(frame: pd.DataFrame, same: bool | None = None, *, show_all: bool = False) -> str:
+    """A human report of a :func:`ckptkit.diff` frame: verdict and counts, then the keys of each
+    status that is not ``equal``, worst first, at most :data:`DIFF_LIST_CAP` per status unless
+    ``show_all``. ``same`` (the verdict) defaults to "every row equal or close"."""
+    from ..ops.diff import SAME, STATUSES
+
+    if same is None:
+        same = bool(frame["status"].isin(SAME).all())
+
+    counts = frame["status"].value_counts()
+    ordered = [status for status in reversed(STATUSES) if status in counts]
+    verdict = "equal within tolerance" if same else "DIFFERENT"
+    summary = ", ".join(f"{counts[status]} {status}" for status in ordered)
+    lines = [
+        f"a: {frame.attrs.get('a')}",
+        f"b: {frame.attrs.get('b')}",
+        f"{len(frame)} keys (rtol={frame.attrs.get('rtol')}, atol={frame.attrs.get('atol')}): "
+        f"{summary or 'none'} -> {verdict}",
+    ]
+    for status in ordered:
+        if status == "equal" and not show_all:
+            continue
+        rows = frame[frame["status"] == status]
+        shown = rows if show_all else rows.head(DIFF_LIST_CAP)
+        lines += ["", f"{status} ({len(rows)}):", _diff_table(shown)]
+        if len(shown) < len(rows):
+            lines.append(f"  … and {len(rows) - len(shown)} more (--all lists them)")
+    return "\n".join(lines)
+
+
+def _diff_table(rows: pd.DataFrame) -> str:
+    """The rows of one status, with the columns that say something for it."""
+    columns = ["key", "dtype", "shape"]
+    if rows["max_abs"].notna().any():
+        columns += ["max_abs", "rel_l2", "cosine", "frac_outside"]
+    if rows["note"].astype(bool).any():
+        columns.append("note")
+    table = rows[columns].astype(object)
+    for column in columns:
+        table[column] = [_cell(value) for value in table[column]]
+    return table.to_string(index=False)
+
+
+def _cell(value: object) -> str:
+    """A table cell: floats to 3 significant digits, missing values blank."""
+    if value is None or value != value:
+        return ""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def sizes_text(frame: pd.DataFrame) -> str:
+    """A :func:`ckptkit.compare_sizes` frame as text, one column per checkpoint, byte counts in
+    kB/MB/GB."""
+    from ..catalog.tables import human_bytes
+
+    shown = frame.copy()
+    for column in shown.columns:
+        if column not in ("format", "files", "records", "ratio"):
+            shown[column] = shown[column].map(human_bytes)
+    shown["ratio"] = shown["ratio"].map(lambda r: f"{r:.3f}x")
+    return shown.T.to_string()
+
+
+def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
+    """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, bytes by group,
+    dtype and rank, and the ``top`` largest tensors."""
+    from ..catalog.tables import human_bytes, readable
+
+    summary = ckpt.summary()
+    tensors = ckpt.tensors
+    largest = readable(
+        tensors.nlargest(top, "nbytes")[
+            ["key", "dtype", "shape", "nbytes", "n_chunks", "sharded_dims"]
+        ]
+    )
+    by_group = readable(summary.by_group)
+    by_rank = readable(summary.by_rank)
+    lines = [
+        f"{ckpt.format} checkpoint {ckpt.url}",
+        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {summary.files} files, "
+        f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters_text}",
+        "",
+        "by group:",
+        by_group.to_string(),
+        "",
+        "by dtype:",
+        readable(summary.by_dtype).to_string(),
+        "",
+        *(["by rank:", by_rank[["size", "records"]].to_string(), ""] if summary.ranked else []),
+        f"largest {len(largest)} tensors:",
+        largest.to_string(index=False),
+    ]
+    return "\n".join(lines)
