@@ -217,7 +217,7 @@ class Checkpoint(Source):
         )
 
     def _repr_html_(self) -> str:
-        from .catalog.tables import human_bytes
+        from .units import human_bytes
 
         frame = self.tensors
         groups = frame.groupby("group", sort=False)["nbytes"].sum()

@@ -228,7 +228,7 @@ MIN_SHARD_BYTES = 1 << 20
 def _shard_size(text: str) -> int:
     """``--max-shard-size``: ``5GB``, ``500MiB``…; a bare number under 1 MiB is refused (``5``
     meant 5 GB, not 5 bytes and thousands of files)."""
-    from .ops.convert import parse_size
+    from .units import parse_size
 
     try:
         size = parse_size(text)

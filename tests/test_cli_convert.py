@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptkit.catalog.tables import human_bytes
+from ckptkit.units import human_bytes
 
 from oracle import assert_bit_equal, torch_unsharded
 

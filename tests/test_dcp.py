@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 import ckptkit
-from ckptkit.catalog.tables import human_bytes
+from ckptkit.units import human_bytes
 
 from oracle import (
     assert_bit_equal,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.catalog.tables import human_bytes
+from ckptkit.units import human_bytes
 
 from writers import CLOSE, PERTURBED, RECAST, mutant_state
 

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from ..decoding.unpickler import paused_gc
+from ..units import human_bytes
 from .model import Catalog, Encoding, Entry, shared
 
 _preview_repr = reprlib.Repr()
@@ -297,12 +298,3 @@ def object_bytes_by_group(catalog: Catalog) -> dict[str, int]:
     for (_, _, length), group in owner.items():
         totals[group] += length
     return dict(totals)
-
-
-def human_bytes(n: float) -> str:
-    """``1234567`` → ``'1.2 MB'`` (decimal units, as disk sizes are quoted)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"

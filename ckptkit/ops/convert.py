@@ -11,22 +11,22 @@ import contextlib
 import fnmatch
 import functools
 import json
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import dtypes
 from ..catalog import output_names
+from ..catalog.keys import nest
 from ..catalog.model import Chunk, Entry
 from ..decoding.known_objects import decoded, opaque_names
 from ..dtypes import DType
 from ..errors import FormatError, MissingFileError, OutputExistsError, UnsafePickleError, UsageError
 from ..reading import Reader
 from ..storage import AtomicOutput, Storage, atomic_output
+from ..units import parse_size
 from . import distributed, work
 from .source import Source, open_source
-from .state_dict import nest
 from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
 from .writers import torch_save
@@ -72,7 +72,7 @@ class UnshardResult:
         return pd.DataFrame([vars(f) for f in self.files])
 
     def __str__(self) -> str:
-        from ..catalog.tables import human_bytes
+        from ..units import human_bytes
 
         lines = [
             f"wrote {len(self.files)} files ({human_bytes(self.nbytes)}) to {self.destination}"
@@ -648,19 +648,3 @@ def _plan_safetensors(
         shards[-1].append((item, entry))
         size += item.nbytes
     return _SafetensorsPlan(group, shards, objects, values)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
-
-
-def parse_size(value: int | str) -> int:
-    """``5GB`` → 5·10⁹, ``512MiB`` → 512·2²⁰, ints unchanged (the HF ``max_shard_size`` style)."""
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(value)
-    if not match:
-        raise UsageError(f"cannot read size {value!r} (try 5GB, 500MB, 2GiB)")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    base = 1024 if "I" in unit else 1000
-    power = "BKMGT".index(unit[0]) if unit else 0
-    return int(number * base**power)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes, tunables
+from ..catalog.keys import KeyMap, map_key
 from ..catalog.model import Entry
 from ..decoding.unpickler import Opaque, TensorRef
 from ..dtypes import DType
@@ -29,21 +30,6 @@ from .source import Source, open_source
 if TYPE_CHECKING:
     import pandas as pd
 
-#: The ``status`` values, from "nothing to see" to structural changes.
-STATUSES = (
-    "equal",  # same dtype and shape, bit-identical bytes
-    "close",  # same dtype and shape, within tolerance of the tensor's own scale (see diff())
-    "different",  # same dtype and shape, beyond tolerance (integers and bools: any change)
-    "only_a",
-    "only_b",
-    "dtype_changed",  # numeric columns still filled when the shapes agree
-    "shape_changed",
-    "object_changed",  # non-tensor values differ (or a tensor on one side, an object on the other)
-)
-#: Statuses meaning "the same within tolerance" (the CLI exits 0 when every row has one).
-SAME = ("equal", "close")
-#: Module-wrapper path segments that are never part of a parameter's identity.
-WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 COLUMNS = [
     "key",
     "status",
@@ -58,8 +44,19 @@ COLUMNS = [
     "note",
     "key_b",
 ]
-
-KeyMap = Mapping[str, str] | Callable[[str], str] | None
+#: The ``status`` values, from "nothing to see" to structural changes.
+STATUSES = (
+    "equal",  # same dtype and shape, bit-identical bytes
+    "close",  # same dtype and shape, within tolerance of the tensor's own scale (see diff())
+    "different",  # same dtype and shape, beyond tolerance (integers and bools: any change)
+    "only_a",
+    "only_b",
+    "dtype_changed",  # numeric columns still filled when the shapes agree
+    "shape_changed",
+    "object_changed",  # non-tensor values differ (or a tensor on one side, an object on the other)
+)
+#: Statuses meaning "the same within tolerance" (the CLI exits 0 when every row has one).
+SAME = ("equal", "close")
 
 
 def diff(
@@ -184,24 +181,6 @@ def _location(ckpt: Source) -> str:
 
 
 # -- keys ---------------------------------------------------------------------------------
-
-
-def map_key(key: str, key_map: KeyMap = None) -> str:
-    """``key`` with wrapper segments dropped, then renamed by ``key_map``.
-
-    A dict maps prefixes (the longest matching one wins: ``{"pytorch_model.": "model."}``); a
-    callable gets the key and returns its new name.
-    """
-    for wrapper in WRAPPERS:
-        key = key.replace(wrapper, "")
-    if key_map is None:
-        return key
-    if callable(key_map):
-        return key_map(key)
-    for prefix in sorted(key_map, key=len, reverse=True):
-        if key.startswith(prefix):
-            return key_map[prefix] + key[len(prefix) :]
-    return key
 
 
 def _mapped(ckpt: Source, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:

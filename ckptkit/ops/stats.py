@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import tunables
+from ..catalog.keys import map_key
 from ..catalog.model import Chunk, Encoding, Entry, distinct_chunks
 from ..dtypes import DType
 from ..errors import KeyNotFoundError
 from ..progress import ByteProgress
 from ..reading import Reader, tensor_blocks
-from .diff import map_key
 from .source import Source, open_source
 
 if TYPE_CHECKING:

@@ -21,13 +21,14 @@ import ipywidgets as widgets
 import numpy as np
 
 from .. import tunables
+from ..catalog.keys import map_key
 from ..catalog.model import Chunk, Entry, distinct_chunks
-from ..catalog.tables import human_bytes, tensors_table
+from ..catalog.tables import tensors_table
 from ..errors import CheckpointError, KeyNotFoundError
 from ..ops.diff import diff as diff_checkpoints
-from ..ops.diff import map_key
 from ..ops.source import Source, open_source
 from ..reading import check_coverage, tensor_blocks
+from ..units import human_bytes
 from .plots import plot_chunk_layout, plot_value_histogram
 
 if TYPE_CHECKING:

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..catalog.keys import KeyMap, map_key
 from ..catalog.model import Chunk
-from ..catalog.tables import human_bytes
 from ..errors import KeyNotFoundError, UsageError
-from ..ops.diff import KeyMap, map_key
 from ..ops.source import Source, open_source
 from ..reading.tensor_blocks import aligned_blocks, as_float
+from ..units import human_bytes
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -70,7 +70,7 @@ def _cell(value: object) -> str:
 def sizes_text(frame: pd.DataFrame) -> str:
     """A :func:`ckptkit.compare_sizes` frame as text, one column per checkpoint, byte counts in
     kB/MB/GB."""
-    from ..catalog.tables import human_bytes
+    from ..units import human_bytes
 
     shown = frame.copy()
     for column in shown.columns:
@@ -83,7 +83,8 @@ def sizes_text(frame: pd.DataFrame) -> str:
 def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
     """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, bytes by group,
     dtype and rank, and the ``top`` largest tensors."""
-    from ..catalog.tables import human_bytes, readable
+    from ..catalog.tables import readable
+    from ..units import human_bytes
 
     summary = ckpt.summary()
     tensors = ckpt.tensors
