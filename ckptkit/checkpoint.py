@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # pandas is imported on first use: opening a checkpoint does 
     from .catalog.tables import Summary
 
 
+__all__ = ["open", "detect", "Checkpoint"]
+
+
 def open(
     url: str,
     *,

@@ -7,6 +7,8 @@ over every output byte. Same polynomial and bit order as :func:`zlib.crc32`.
 
 from __future__ import annotations
 
+__all__ = ["combine"]
+
 _POLY = 0xEDB88320  # x^32 + x^26 + … + 1, bit-reflected as zlib stores it
 _ONE = 1 << 31  # the polynomial 1 (x^0) in the reflected representation
 

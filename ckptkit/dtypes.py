@@ -11,6 +11,17 @@ import numpy as np
 
 from .errors import FormatError
 
+__all__ = [
+    "DType",
+    "BY_NAME",
+    "BY_STORAGE",
+    "BY_SAFETENSORS",
+    "dtype",
+    "from_safetensors",
+    "to_numpy",
+    "to_torch",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class DType:

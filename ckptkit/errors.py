@@ -5,6 +5,31 @@ Every message names what it is about (a file, a key, a pickle global) so a user 
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointError",
+    "FormatError",
+    "MissingFileError",
+    "NotACheckpointError",
+    "LocationNotFoundError",
+    "CorruptRecordError",
+    "UnsafePickleError",
+    "KeyNotFoundError",
+    "AccessDeniedError",
+    "StorageError",
+    "TruncatedFileError",
+    "ChecksumError",
+    "MismatchError",
+    "CoverageError",
+    "LimitExceededError",
+    "PickleLimitError",
+    "UnsafePathError",
+    "OutputNameError",
+    "OutputExistsError",
+    "DestinationError",
+    "UsageError",
+    "DistributedError",
+]
+
 
 class CheckpointError(Exception):
     """Base class of every error ckptkit raises (a plain ``Exception``, unlike torch's)."""

@@ -33,6 +33,23 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+__all__ = [
+    "VOCAB",
+    "DIM",
+    "SEQ_LEN",
+    "BATCH",
+    "LR",
+    "BETAS",
+    "TinyLM",
+    "write_sample",
+    "SAMPLES_ENV",
+    "samples_directory",
+    "sample_checkpoint",
+    "scratch_directory",
+    "sample_workspace",
+    "write_run",
+]
+
 VOCAB = 131
 DIM = 48
 SEQ_LEN = 12

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+__all__ = ["first_missing", "count_missing", "ranks_text"]
+
 
 def first_missing(present: Collection[int], world_size: int, limit: int = 4) -> list[int]:
     """The first ``limit`` ranks below ``world_size`` that ``present`` lacks, found in at most

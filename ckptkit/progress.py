@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+__all__ = ["ByteProgress"]
+
 
 class ByteProgress:
     """A tqdm bar counting bytes (``desc`` names the operation), or a do-nothing stand-in."""

@@ -40,6 +40,17 @@ from .storage import Storage
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = [
+    "STEP_PATTERNS",
+    "RUN_COLUMNS",
+    "CACHE_ENV",
+    "IDENTITY_DEPTH",
+    "step_number",
+    "StepCheckpoint",
+    "run",
+    "Run",
+]
+
 #: Step numbers in checkpoint directory names, tried in order; then the last number in the name.
 STEP_PATTERNS = (
     re.compile(r"global_step(\d+)"),  # DeepSpeed

@@ -33,6 +33,16 @@ from .. import tunables
 from ..errors import CoverageError, LimitExceededError
 from .model import Chunk, Entry
 
+__all__ = [
+    "MAX_CUT_DIMS",
+    "Box",
+    "Fault",
+    "check_coverage",
+    "check_chunks",
+    "rows_in_order",
+    "first_fault",
+]
+
 #: Dimensions the chunks of one tensor may cut (the check recurses once per cut dimension).
 MAX_CUT_DIMS = 64
 

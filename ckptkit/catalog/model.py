@@ -19,6 +19,20 @@ from typing import Any, Literal
 from ..dtypes import DType
 from ..errors import FormatError
 
+__all__ = [
+    "Encoding",
+    "Record",
+    "distinct_chunks",
+    "pickle_leaf",
+    "leaf_path",
+    "shared",
+    "Chunk",
+    "Entry",
+    "Facts",
+    "Catalog",
+    "CatalogBuilder",
+]
+
 
 class Encoding(StrEnum):
     """How a record's bytes hold its value."""

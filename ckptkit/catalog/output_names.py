@@ -18,6 +18,15 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import OutputNameError
 
+__all__ = [
+    "MAX_STEM_BYTES",
+    "encode_stem",
+    "decode_stem",
+    "group_of_file",
+    "check_distinct_files",
+    "safetensors_names",
+]
+
 #: Bytes of a stem's encoding at most: the longest suffix ckptkit appends
 #: (``-00001-of-00002.safetensors.index.json`` ≈ 40 bytes) still fits a 255-byte file name.
 MAX_STEM_BYTES = 200

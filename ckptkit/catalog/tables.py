@@ -21,6 +21,20 @@ from ..decoding.unpickler import paused_gc
 from ..units import human_bytes
 from .model import Catalog, Encoding, Entry, shared
 
+__all__ = [
+    "PREVIEW_CHARS",
+    "tensors_table",
+    "chunks_table",
+    "files_table",
+    "objects_table",
+    "preview",
+    "Summary",
+    "summarize",
+    "BYTE_COLUMNS",
+    "readable",
+    "object_bytes_by_group",
+]
+
 _preview_repr = reprlib.Repr()
 _preview_repr.maxstring = 60
 _preview_repr.maxother = 60

@@ -22,6 +22,8 @@ from typing import Any
 from ..errors import PickleLimitError
 from .unpickler import Opaque
 
+__all__ = ["MAX_DEPTH", "Device", "CycleRef", "decoded", "opaque_names", "Decode"]
+
 #: Nesting the decoded walk follows at most (the value check bounds real values far below).
 MAX_DEPTH = 200
 

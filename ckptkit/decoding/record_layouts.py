@@ -20,6 +20,8 @@ from .pickle_limits import RECORD_LIMITS
 from .records import TensorData, TorchArchive, end_record
 from .unpickler import TENSOR_GLOBALS, TensorRef, safe_loads
 
+__all__ = ["BULK_RECORD", "Layout", "Layouts"]
+
 #: The end-of-central-directory record plus the longest zip comment.
 _ZIP_TAIL = 22 + 0xFFFF
 _CENTRAL = b"PK\x01\x02"

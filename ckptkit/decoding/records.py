@@ -26,6 +26,34 @@ from ..storage import Storage
 from .pickle_limits import RECORD_LIMITS
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
 
+__all__ = [
+    "Member",
+    "TensorData",
+    "zip_members",
+    "end_record",
+    "central_directory",
+    "located",
+    "refuse_compressed",
+    "ZipIndex",
+    "read_safetensors_headers",
+    "safetensors_file_headers",
+    "read_zip_indexes",
+    "MAX_INFLATED",
+    "read_members",
+    "inflate",
+    "TorchArchive",
+    "ARCHIVE_SLACK",
+    "tensor_archive_limit",
+    "undo_transform",
+    "check_crc",
+    "decode_tensor_record",
+    "decode_object_record",
+    "SafetensorsHeader",
+    "MAX_SAFETENSORS_HEADER",
+    "safetensors_header_length",
+    "parse_safetensors_header",
+]
+
 _EOCD = b"PK\x05\x06"
 _EOCD64_LOCATOR = b"PK\x06\x07"
 _CENTRAL = b"PK\x01\x02"

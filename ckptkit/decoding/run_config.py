@@ -14,6 +14,8 @@ from ..storage import Storage
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = ["CONFIG_NAMES", "MAX_CONFIG_BYTES", "MAX_ROWS", "read_config", "flatten", "config_table"]
+
 #: Looked for in the checkpoint's directory, in this order, when the format names none.
 CONFIG_NAMES = ("config.yaml", "config.json")
 #: Larger files are refused: a config is a few kB.

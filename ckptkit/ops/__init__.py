@@ -1,3 +1,16 @@
 """Operations on any checkpoint, never knowing its format: unshard / convert, diff, stats, sizes,
 verify, state dicts, and the plan → execute machinery (threads, torch.distributed ranks) with the
 writers of the formats ckptkit produces."""
+
+__all__ = [
+    "convert",
+    "diff",
+    "distributed",
+    "sizes",
+    "source",
+    "state_dict",
+    "stats",
+    "verify",
+    "work",
+    "writers",
+]

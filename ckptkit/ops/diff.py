@@ -30,6 +30,8 @@ from .source import Source, open_source
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = ["COLUMNS", "STATUSES", "SAME", "diff", "Pair", "same_value"]
+
 COLUMNS = [
     "key",
     "status",

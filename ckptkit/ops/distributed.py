@@ -28,6 +28,18 @@ from typing import Any
 from ..errors import DistributedError, UsageError
 from ..progress import ByteProgress
 
+__all__ = [
+    "MESSAGE_LIMIT",
+    "FLUSH_BYTES",
+    "FLUSH_SECONDS",
+    "Ranks",
+    "current",
+    "from_environment",
+    "balance",
+    "JobProgress",
+    "rank_logger",
+]
+
 #: How much of a failing rank's error message every rank repeats (messages can be long).
 MESSAGE_LIMIT = 2000
 #: JobProgress batches a rank's bytes into one store update per this many bytes or seconds.

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
     from ..catalog.model import Catalog
 
+__all__ = ["CATEGORIES", "GROUP_CATEGORIES", "category", "compare_sizes"]
+
 #: The columns group bytes are summed into, in display order.
 CATEGORIES = ("model", "optim", "train", "other")
 #: Top-level group name (lower-cased) → category; unlisted names starting with ``model`` or

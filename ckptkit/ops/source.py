@@ -17,6 +17,8 @@ from ..formats import Detection
 from ..reading import Reader
 from ..storage import Storage
 
+__all__ = ["SourceT", "Source", "open_location", "open_source"]
+
 SourceT = TypeVar("SourceT", bound="Source")
 
 

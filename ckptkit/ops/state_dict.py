@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     import torch
 
 
+__all__ = ["load_state_dict", "LoadResult", "from_checkpoint"]
+
+
 def load_state_dict(
     src: str | Source,
     *,

@@ -45,6 +45,21 @@ from .source import Source, open_source
 if TYPE_CHECKING:
     import pandas as pd
 
+__all__ = [
+    "COLUMNS",
+    "STAT_COLUMNS",
+    "SUB_BLOCK",
+    "TENSOR_DOMAIN",
+    "CHECKPOINT_DOMAIN",
+    "stats",
+    "fingerprint",
+    "combine",
+    "select_tensors",
+    "tensor_rows",
+    "LANE_SLACK",
+    "DOT_ROW",
+]
+
 #: Columns of :func:`stats`, in order.
 COLUMNS = [
     "key",

@@ -41,6 +41,16 @@ if TYPE_CHECKING:
 
     from .distributed import Ranks
 
+__all__ = [
+    "COLUMNS",
+    "PROBLEMS",
+    "problem_kind",
+    "Problem",
+    "verify",
+    "verify_checkpoint",
+    "INTEGRITY_FILE",
+]
+
 COLUMNS = ["file", "key", "problem", "detail"]
 
 #: The ``problem`` column: the most specific error class wins.

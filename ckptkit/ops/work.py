@@ -22,6 +22,19 @@ from ..errors import UsageError
 if TYPE_CHECKING:
     from .distributed import Ranks
 
+__all__ = [
+    "T",
+    "R",
+    "WorkItem",
+    "Cancelled",
+    "Stop",
+    "check_workers",
+    "mine",
+    "run",
+    "run_everywhere",
+    "PerThread",
+]
+
 T = TypeVar("T")
 R = TypeVar("R")
 

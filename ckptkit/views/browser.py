@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
+__all__ = ["MAX_LISTED", "PROGRESS_BYTES", "HIST_SAMPLE", "HIST_BINS", "browse", "Browser"]
+
 #: Keys put in the select list at most; a filter narrows what is listed.
 MAX_LISTED = 1000
 #: Tensors at least this large (bytes) show a progress bar while their statistics are read.

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.axes import Axes
 
+__all__ = [
+    "LAYER_PATTERN",
+    "plot_sizes",
+    "plot_diff",
+    "diff_by_layer",
+    "plot_diff_by_layer",
+    "plot_diff_histogram",
+    "MAX_RECTS_PER_CHUNK",
+    "plot_chunk_layout",
+    "plot_value_histogram",
+]
+
 #: Transformer layer indices in common key spellings: ``blocks.3.``, ``layers.3.``, ``h.3.``.
 LAYER_PATTERN = r"(?:^|\.)((?:blocks|layers|layer|h)\.(\d+))\."
 

@@ -16,6 +16,8 @@ from typing import Any, BinaryIO
 from ...catalog.model import Chunk, Encoding, Entry
 from . import torch_save
 
+__all__ = ["DATA_FILE", "METADATA", "WrittenRecord", "write_records", "metadata_bytes"]
+
 DATA_FILE = "__0_0.distcp"
 METADATA = ".metadata"
 _DESCRIPTORS = {"zstd": "stream.zstd/1"}

@@ -12,6 +12,8 @@ from typing import BinaryIO
 from ...dtypes import DType
 from ...errors import FormatError
 
+__all__ = ["SafetensorsItem", "header_bytes", "write"]
+
 
 @dataclass(frozen=True)
 class SafetensorsItem:

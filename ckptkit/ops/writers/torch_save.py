@@ -27,6 +27,8 @@ from ...dtypes import DType
 from ...errors import MismatchError, UnsafePickleError, UsageError
 from ...reading import strided_view
 
+__all__ = ["ALIGNMENT", "CheckedBytes", "StoredZipWriter", "TensorSlot", "dumps", "write"]
+
 ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 _PAD_TAG = 0x4246  # the extra-field id torch's own writer pads with ("FB")
