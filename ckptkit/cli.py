@@ -5,56 +5,40 @@ Exit status: 0 done (and, for ``diff`` / ``verify``, nothing found), 1 differenc
 found, 2 a usage error or something that is not a checkpoint (one line on stderr), 130
 interrupted. Progress bars appear only on a terminal. ``inspect --json`` imports neither torch
 nor pandas, so it starts fast.
+
+The module reads top to bottom: the entry point, the parser (one builder per command and the
+argument groups they share), then one handler per command, each calling an operation and a
+renderer of :mod:`ckptkit.views`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .checkpoint import Checkpoint
 from .checkpoint import open as open_checkpoint
 from .errors import CheckpointError, UsageError
 from .ops import distributed
-from .views.reports import DIFF_LIST_CAP, diff_text, inspect_text, sizes_text
+from .views.machine import diff_json, inspect_json, sizes_json, stats_csv, stats_json, verify_json
+from .views.reports import (
+    DIFF_LIST_CAP,
+    diff_text,
+    inspect_text,
+    sizes_text,
+    stats_text,
+    verify_text,
+)
+from .views.terminal import PrintableStream, printable
+
+__all__ = ["EXIT_ERROR", "EXIT_FOUND", "EXIT_INTERRUPTED", "main"]
 
 EXIT_FOUND = 1  # diff found differences, verify found damage
 EXIT_ERROR = 2
 EXIT_INTERRUPTED = 130
-
-
-#: Characters a checkpoint's names may hold that a terminal would act on (C0/C1 controls but
-#: newline and tab, DEL, bidirectional overrides): printed escaped, as ``\x1b``.
-_UNPRINTABLE = {
-    c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
-    for c in [*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
-    if chr(c) not in "\n\t"
-}
-
-
-def printable(text: str) -> str:
-    """``text`` with every character a terminal would interpret escaped (names come from the
-    checkpoint: a key can hold an escape sequence that retitles the window or sets the
-    clipboard)."""
-    return text.translate(_UNPRINTABLE)
-
-
-class _PrintableStream:
-    """A text stream that escapes what :func:`printable` escapes before writing."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        return self.stream.write(printable(text))
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     stdout = sys.stdout
-    sys.stdout = _PrintableStream(stdout)
+    sys.stdout = PrintableStream(stdout)
     try:
         with distributed.from_environment() as ranks:  # under torchrun: a gloo process group
             if ranks is not None and ranks.rank != 0:  # every rank has the result: one prints
-                sys.stdout = _PrintableStream(open(os.devnull, "w"))  # noqa: SIM115
+                sys.stdout = PrintableStream(open(os.devnull, "w"))  # noqa: SIM115
             code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
@@ -128,119 +112,6 @@ def _command(commands, name: str, help: str, examples: str) -> argparse.Argument
         epilog="examples:\n" + examples,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-
-
-def _add_remote_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--storage-option KEY=VALUE`` (repeatable) and ``--anon``, passed to fsspec."""
-    parser.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an fsspec storage option (repeatable), e.g. endpoint_url=http://localhost:9000 "
-        "or profile=research; VALUE is read as JSON when it parses (true, 3), else as text",
-    )
-    parser.add_argument(
-        "--anon", action="store_true", help="anonymous access (public buckets), as anon=true"
-    )
-
-
-def _storage_options(args: argparse.Namespace) -> dict | None:
-    """The fsspec options of ``--storage-option`` / ``--anon`` (None when there are none)."""
-    options: dict = {}
-    for item in args.storage_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--storage-option takes KEY=VALUE, got {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    if args.anon:
-        options["anon"] = True
-    return options or None
-
-
-def _add_progress_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--progress`` / ``--quiet``: a progress bar on stderr; by default only on a terminal."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--progress", action="store_true", default=None, help="show a progress bar, always"
-    )
-    group.add_argument(
-        "--quiet", dest="progress", action="store_false", help="no progress bar, ever"
-    )
-
-
-def _progress(args: argparse.Namespace, *, machine_output: bool = False) -> bool:
-    """Whether to draw a progress bar: as asked, else only when stderr is a terminal and the
-    output is for people."""
-    if args.progress is not None:
-        return args.progress
-    return not machine_output and sys.stderr.isatty()
-
-
-def _add_selection_arguments(parser: argparse.ArgumentParser, *, exclude: bool) -> None:
-    """Repeatable ``--keys`` / ``--groups`` (and ``--exclude``): one value per flag, so they
-    never swallow the positional arguments."""
-    parser.add_argument(
-        "--keys", action="append", metavar="GLOB", help="only keys matching GLOB (repeatable)"
-    )
-    parser.add_argument(
-        "--groups",
-        action="append",
-        metavar="GROUP",
-        help="only this group, e.g. model (repeatable)",
-    )
-    if exclude:
-        parser.add_argument(
-            "--exclude",
-            action="append",
-            metavar="GLOB",
-            help="leave out keys matching GLOB (repeatable), e.g. 'optim.*'",
-        )
-
-
-#: Short dtype names people type, and the names ckptkit (and torch) use.
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                 "float": "float32", "fp64": "float64", "double": "float64"}  # fmt: skip
-
-
-def _dtype_name(text: str) -> str:
-    """``--dtype``: a floating dtype name or alias; the valid ones listed when it is neither."""
-    from .dtypes import BY_NAME
-
-    name = DTYPE_ALIASES.get(text.lower(), text.lower())
-    dt = BY_NAME.get(name)
-    if dt is None or not dt.is_floating:
-        valid = sorted(n for n, d in BY_NAME.items() if d.is_floating)
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a floating dtype; valid: {', '.join(valid)} "
-            f"(or {', '.join(sorted(DTYPE_ALIASES))})"
-        )
-    return name
-
-
-#: ``--max-shard-size`` without a unit is bytes; smaller than this it is surely a mistake.
-MIN_SHARD_BYTES = 1 << 20
-
-
-def _shard_size(text: str) -> int:
-    """``--max-shard-size``: ``5GB``, ``500MiB``…; a bare number under 1 MiB is refused (``5``
-    meant 5 GB, not 5 bytes and thousands of files)."""
-    from .units import parse_size
-
-    try:
-        size = parse_size(text)
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if size < MIN_SHARD_BYTES and text.strip().isdigit():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is {size} bytes; give a unit, e.g. {text.strip()}GB or {text.strip()}MiB"
-        )
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
-    return size
 
 
 def _add_inspect(commands) -> None:
@@ -389,6 +260,77 @@ def _add_verify(commands) -> None:
     verify.set_defaults(run=_verify)
 
 
+def _add_stats(commands) -> None:
+    stats = _command(
+        commands,
+        "stats",
+        "per-tensor min, max, mean, std, L2 norm, zero/NaN/Inf fractions (one pass)",
+        "  ckptkit stats run/step3 --groups model\n"
+        "  ckptkit stats out/model.safetensors --fingerprint --csv > stats.csv",
+    )
+    stats.add_argument("path", help="checkpoint path or fsspec URL")
+    _add_selection_arguments(stats, exclude=False)
+    stats.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="also hash every tensor: per-tensor fingerprints and the checkpoint's, equal "
+        "across formats and world sizes for equal contents",
+    )
+    output = stats.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="machine-readable output")
+    output.add_argument("--csv", action="store_true", help="one CSV row per tensor")
+    _add_progress_arguments(stats)
+    _add_remote_arguments(stats)
+    stats.set_defaults(run=_stats)
+
+
+def _add_remote_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) and ``--anon``, passed to fsspec."""
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec storage option (repeatable), e.g. endpoint_url=http://localhost:9000 "
+        "or profile=research; VALUE is read as JSON when it parses (true, 3), else as text",
+    )
+    parser.add_argument(
+        "--anon", action="store_true", help="anonymous access (public buckets), as anon=true"
+    )
+
+
+def _add_progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--quiet``: a progress bar on stderr; by default only on a terminal."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress", action="store_true", default=None, help="show a progress bar, always"
+    )
+    group.add_argument(
+        "--quiet", dest="progress", action="store_false", help="no progress bar, ever"
+    )
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser, *, exclude: bool) -> None:
+    """Repeatable ``--keys`` / ``--groups`` (and ``--exclude``): one value per flag, so they
+    never swallow the positional arguments."""
+    parser.add_argument(
+        "--keys", action="append", metavar="GLOB", help="only keys matching GLOB (repeatable)"
+    )
+    parser.add_argument(
+        "--groups",
+        action="append",
+        metavar="GROUP",
+        help="only this group, e.g. model (repeatable)",
+    )
+    if exclude:
+        parser.add_argument(
+            "--exclude",
+            action="append",
+            metavar="GLOB",
+            help="leave out keys matching GLOB (repeatable), e.g. 'optim.*'",
+        )
+
+
 def _add_workers_argument(parser: argparse.ArgumentParser) -> None:
     """``--workers N``: threads in this process (under torchrun, in each rank)."""
     parser.add_argument(
@@ -424,11 +366,103 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: Short dtype names people type, and the names ckptkit (and torch) use.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}  # fmt: skip
+
+
+def _dtype_name(text: str) -> str:
+    """``--dtype``: a floating dtype name or alias; the valid ones listed when it is neither."""
+    from .dtypes import BY_NAME
+
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    dt = BY_NAME.get(name)
+    if dt is None or not dt.is_floating:
+        valid = sorted(n for n, d in BY_NAME.items() if d.is_floating)
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a floating dtype; valid: {', '.join(valid)} "
+            f"(or {', '.join(sorted(DTYPE_ALIASES))})"
+        )
+    return name
+
+
+#: ``--max-shard-size`` without a unit is bytes; smaller than this it is surely a mistake.
+MIN_SHARD_BYTES = 1 << 20
+
+
+def _shard_size(text: str) -> int:
+    """``--max-shard-size``: ``5GB``, ``500MiB``…; a bare number under 1 MiB is refused (``5``
+    meant 5 GB, not 5 bytes and thousands of files)."""
+    from .units import parse_size
+
+    try:
+        size = parse_size(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < MIN_SHARD_BYTES and text.strip().isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {size} bytes; give a unit, e.g. {text.strip()}GB or {text.strip()}MiB"
+        )
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
+
+
+def _storage_options(args: argparse.Namespace) -> dict | None:
+    """The fsspec options of ``--storage-option`` / ``--anon`` (None when there are none)."""
+    options: dict = {}
+    for item in args.storage_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    if args.anon:
+        options["anon"] = True
+    return options or None
+
+
+def _progress(args: argparse.Namespace, *, machine_output: bool = False) -> bool:
+    """Whether to draw a progress bar: as asked, else only when stderr is a terminal and the
+    output is for people."""
+    if args.progress is not None:
+        return args.progress
+    return not machine_output and sys.stderr.isatty()
+
+
 def _source(args: argparse.Namespace):
     """The source checkpoint, opened with the CRC setting of ``--no-verify-crc``."""
     return open_checkpoint(
         args.src, verify_crc=args.verify_crc, storage_options=_storage_options(args)
     )
+
+
+def _key_map(args: argparse.Namespace) -> dict[str, str] | None:
+    """The prefix renames of ``--key-map OLD=NEW`` (None when there are none)."""
+    if not args.key_map:
+        return None
+    pairs = [item.split("=", 1) for item in args.key_map]
+    if any(len(pair) != 2 for pair in pairs):
+        raise UsageError(f"--key-map takes OLD=NEW prefixes, got {args.key_map}")
+    return dict(pairs)
+
+
+def _print_json(document: dict, *, allow_nan: bool = True) -> None:
+    """Write a ``--json`` document to stdout, one line (NaN refused where ``allow_nan`` is
+    False: the renderer should have mapped it)."""
+    json.dump(document, sys.stdout, allow_nan=allow_nan)
+    sys.stdout.write("\n")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
+    if args.json:
+        _print_json(inspect_json(ckpt, top=args.top))
+    else:
+        print(inspect_text(ckpt, top=10 if args.top is None else args.top))
+    return 0
 
 
 def _unshard(args: argparse.Namespace) -> int:
@@ -476,17 +510,11 @@ def _convert(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     from .ops.diff import SAME, diff
 
-    key_map = None
-    if args.key_map:
-        pairs = [item.split("=", 1) for item in args.key_map]
-        if any(len(pair) != 2 for pair in pairs):
-            raise UsageError(f"--key-map takes OLD=NEW prefixes, got {args.key_map}")
-        key_map = dict(pairs)
     frame = diff(
         args.a,
         args.b,
         keys=args.keys,
-        key_map=key_map,
+        key_map=_key_map(args),
         rtol=args.rtol,
         atol=args.atol,
         progress=_progress(args, machine_output=args.json),
@@ -495,24 +523,10 @@ def _diff(args: argparse.Namespace) -> int:
     )
     same = bool(frame["status"].isin(SAME).all())
     if args.json:
-        json.dump(diff_json(frame, same), sys.stdout, allow_nan=False)
-        sys.stdout.write("\n")
+        _print_json(diff_json(frame, same), allow_nan=False)
     else:
         print(diff_text(frame, same, show_all=args.all))
     return 0 if same else EXIT_FOUND
-
-
-def diff_json(frame, same: bool) -> dict:
-    """The ``diff --json`` document: settings, verdict, counts per status and every row."""
-    return {
-        "a": frame.attrs.get("a"),
-        "b": frame.attrs.get("b"),
-        "rtol": frame.attrs.get("rtol"),
-        "atol": frame.attrs.get("atol"),
-        "same": same,
-        "counts": {k: int(v) for k, v in frame["status"].value_counts().items()},
-        "keys": _json_rows(frame),
-    }
 
 
 def _sizes(args: argparse.Namespace) -> int:
@@ -520,12 +534,7 @@ def _sizes(args: argparse.Namespace) -> int:
 
     frame = compare_sizes(*args.paths, labels=args.labels, storage_options=_storage_options(args))
     if args.json:
-        rows = [
-            {"label": label, **{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}}
-            for label, row in frame.to_dict("index").items()
-        ]
-        json.dump({"checkpoints": rows}, sys.stdout)
-        sys.stdout.write("\n")
+        _print_json(sizes_json(frame))
     else:
         print(sizes_text(frame))
     return 0
@@ -538,104 +547,10 @@ def _verify(args: argparse.Namespace) -> int:
         args.path, crc=args.crc, workers=args.workers, storage_options=_storage_options(args)
     )
     if args.json:
-        rows = frame.astype(object).where(frame.notna(), None).to_dict("records")
-        json.dump({"path": args.path, "ok": frame.empty, "problems": rows}, sys.stdout)
-        sys.stdout.write("\n")
+        _print_json(verify_json(args.path, frame))
     else:
         print(verify_text(args.path, frame))
     return 0 if frame.empty else EXIT_FOUND
-
-
-def verify_text(path: str, frame) -> str:
-    """``verify``'s report: the verdict, problems counted per file, then every problem with
-    its whole detail (never cut to a column width)."""
-    if frame.empty:
-        return f"{path}: no problems found"
-    files = frame["file"].fillna("(checkpoint)")
-    lines = [f"{path}: {len(frame)} problem(s) in {files.nunique()} file(s)"]
-    for file, rows in frame.groupby(files, sort=False):
-        kinds = rows["problem"].value_counts()
-        lines.append(f"  {file}: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
-    lines.append("")
-    for row in frame.itertuples(index=False):
-        where = " ".join(str(part) for part in (row.file, row.key) if part is not None)
-        lines += [f"{row.problem}: {where or path}", f"    {row.detail}"]
-    return "\n".join(lines)
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
-    if args.json:
-        json.dump(inspect_json(ckpt, top=args.top), sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(inspect_text(ckpt, top=10 if args.top is None else args.top))
-    return 0
-
-
-def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
-    """The ``inspect --json`` document, built from the catalog alone (no pandas, no torch):
-    the summary the text output shows, then the ``top`` largest tensors (all when None)."""
-    catalog = ckpt.catalog
-    sizes = ckpt.storage.sizes(catalog.files)
-    tensors = catalog.tensors()
-    model = [e for e in tensors if e.group == "model"]
-    groups: dict[str, dict[str, int]] = {}
-    for entry in catalog.entries.values():
-        totals = groups.setdefault(entry.group, {"tensors": 0, "objects": 0, "nbytes": 0})
-        totals["tensors" if entry.kind == "tensor" else "objects"] += 1
-        totals["nbytes"] += entry.nbytes if entry.kind == "tensor" else 0
-    if top is not None:
-        tensors = sorted(tensors, key=lambda e: e.nbytes, reverse=True)[: max(top, 0)]
-    return {
-        "format": catalog.format,
-        "url": ckpt.url,
-        "summary": {
-            "tensors": len(catalog.tensors()),
-            "objects": len(catalog.objects()),
-            "files": len(catalog.files),
-            "bytes_on_disk": sum(size or 0 for size in sizes.values()),
-            "parameters": sum(e.numel for e in model or catalog.tensors()),
-            "parameters_counted": "model" if model else "all tensors",
-            "groups": groups,
-        },
-        "tensors": [
-            {
-                "key": e.key,
-                "dtype": e.dtype.name,
-                "shape": list(e.shape),
-                "nbytes": e.nbytes,
-                "n_chunks": e.n_chunks,
-            }
-            for e in tensors
-        ],
-        "objects": [{"key": e.key, "nbytes": e.nbytes} for e in catalog.objects()],
-        "files": [{"file": f, "size": sizes.get(f)} for f in catalog.files],
-    }
-
-
-def _add_stats(commands) -> None:
-    stats = _command(
-        commands,
-        "stats",
-        "per-tensor min, max, mean, std, L2 norm, zero/NaN/Inf fractions (one pass)",
-        "  ckptkit stats run/step3 --groups model\n"
-        "  ckptkit stats out/model.safetensors --fingerprint --csv > stats.csv",
-    )
-    stats.add_argument("path", help="checkpoint path or fsspec URL")
-    _add_selection_arguments(stats, exclude=False)
-    stats.add_argument(
-        "--fingerprint",
-        action="store_true",
-        help="also hash every tensor: per-tensor fingerprints and the checkpoint's, equal "
-        "across formats and world sizes for equal contents",
-    )
-    output = stats.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="machine-readable output")
-    output.add_argument("--csv", action="store_true", help="one CSV row per tensor")
-    _add_progress_arguments(stats)
-    _add_remote_arguments(stats)
-    stats.set_defaults(run=_stats)
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -652,67 +567,12 @@ def _stats(args: argparse.Namespace) -> int:
     if not args.fingerprint:
         frame = frame.drop(columns="fingerprint")
     if args.json:
-        json.dump(stats_json(frame), sys.stdout, allow_nan=False)
-        sys.stdout.write("\n")
+        _print_json(stats_json(frame), allow_nan=False)
     elif args.csv:
-        frame.assign(shape=[list(shape) for shape in frame["shape"]]).to_csv(
-            sys.stdout, index=False
-        )
+        sys.stdout.write(stats_csv(frame))
     else:
         print(stats_text(frame))
     return 0
-
-
-def _json_value(value):
-    """A table cell as JSON has it: NaN and missing → null, ±Inf → "inf" / "-inf" (JSON has
-    neither), tuples (shapes) → lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, tuple):
-        return list(value)
-    return None if value is None or value != value else value
-
-
-def _json_rows(frame) -> list[dict]:
-    """The rows of ``frame`` as JSON-ready dicts."""
-    return [
-        {column: _json_value(value) for column, value in row.items()}
-        for row in frame.astype(object).to_dict("records")
-    ]
-
-
-def stats_json(frame) -> dict:
-    """The ``stats --json`` document: where, the checkpoint fingerprint if computed, the rows."""
-    return {
-        "url": frame.attrs.get("url"),
-        "format": frame.attrs.get("format"),
-        "fingerprint": frame.attrs.get("fingerprint"),
-        "tensors": _json_rows(frame),
-    }
-
-
-def stats_text(frame) -> str:
-    """The ``stats`` table: one line per tensor, fractions in percent, fingerprints shortened
-    to 16 hex digits (``--json`` has them whole); tensors holding NaN/Inf named after it."""
-    columns = ["key", "dtype", "shape", "min", "max", "mean", "std", "l2", "abs_max"]
-    table = frame[columns].copy()
-    table["shape"] = [str(list(shape)) for shape in frame["shape"]]
-    for name in ("zero", "nan", "inf"):
-        table[f"{name} %"] = 100 * frame[f"frac_{name}"]
-    if "fingerprint" in frame:
-        table["fingerprint"] = [str(value)[:16] for value in frame["fingerprint"]]
-    head = (
-        f"{frame.attrs.get('url')} ({frame.attrs.get('format')}): {len(frame)} tensors, "
-        f"{int(frame['numel'].sum()):,} elements"
-    )
-    lines = [head, table.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
-    bad = frame.loc[(frame["frac_nan"] > 0) | (frame["frac_inf"] > 0), "key"].tolist()
-    if bad:
-        shown = ", ".join(bad[:10]) + (" …" if len(bad) > 10 else "")
-        lines.append(f"{len(bad)} tensor(s) hold NaN or Inf: {shown}")
-    if frame.attrs.get("fingerprint"):
-        lines.append(f"fingerprint: {frame.attrs['fingerprint']}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

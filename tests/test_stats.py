@@ -276,7 +276,7 @@ def test_two_lanes_only_when_both_tensors_fit_the_memory_goal(ws2, tmp_path, mon
     entry = ckptkit.open(str(ws2.path)).entry("model.blocks.0.fc1.weight")
     lengths = sorted(c.record.length for c in entry.chunks)
     assert len(lengths) == 2 and STATS._held_bytes(entry) == sum(lengths) > entry.nbytes
-    monkeypatch.setattr(STATS, "BATCH_BYTES", lengths[1])
+    monkeypatch.setattr(tunables, "BATCH_BYTES", lengths[1])
     assert STATS._held_bytes(entry) == lengths[1]
 
 

@@ -1,4 +1,5 @@
-"""What people look at: text reports (the CLI's renderings), matplotlib plots and the ipywidgets
-browser. Views call operations; nothing below imports them."""
+"""What people look at: text reports and machine renderings (what the CLI prints), terminal-safe
+escaping of untrusted text, matplotlib plots and the ipywidgets browser. Views call operations;
+nothing below imports them."""
 
-__all__ = ["browser", "plots", "reports"]
+__all__ = ["browser", "machine", "plots", "reports", "terminal"]

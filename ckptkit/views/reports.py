@@ -1,5 +1,6 @@
-"""Plain-text reports of a checkpoint, a diff and a sizes table: what the ``ckptkit`` command
-prints, as functions notebooks and scripts can call (``print(inspect_text(ckpt))``)."""
+"""Plain-text reports of a checkpoint, a diff, a sizes table, a verification and statistics:
+what the ``ckptkit`` command prints, as functions notebooks and scripts can call
+(``print(inspect_text(ckpt))``). The ``--json`` / ``--csv`` renderings are in :mod:`.machine`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ if TYPE_CHECKING:
 
     from ..checkpoint import Checkpoint
 
-__all__ = ["DIFF_LIST_CAP", "diff_text", "inspect_text", "sizes_text"]
+__all__ = ["DIFF_LIST_CAP", "diff_text", "inspect_text", "sizes_text", "stats_text", "verify_text"]
 
 
 #: Keys listed per status in ``diff``'s text output unless ``--all`` is given.
@@ -110,4 +111,45 @@ def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
         f"largest {len(largest)} tensors:",
         largest.to_string(index=False),
     ]
+    return "\n".join(lines)
+
+
+def verify_text(path: str, frame: pd.DataFrame) -> str:
+    """``verify``'s report: the verdict, problems counted per file, then every problem with
+    its whole detail (never cut to a column width)."""
+    if frame.empty:
+        return f"{path}: no problems found"
+    files = frame["file"].fillna("(checkpoint)")
+    lines = [f"{path}: {len(frame)} problem(s) in {files.nunique()} file(s)"]
+    for file, rows in frame.groupby(files, sort=False):
+        kinds = rows["problem"].value_counts()
+        lines.append(f"  {file}: " + ", ".join(f"{n} {kind}" for kind, n in kinds.items()))
+    lines.append("")
+    for row in frame.itertuples(index=False):
+        where = " ".join(str(part) for part in (row.file, row.key) if part is not None)
+        lines += [f"{row.problem}: {where or path}", f"    {row.detail}"]
+    return "\n".join(lines)
+
+
+def stats_text(frame: pd.DataFrame) -> str:
+    """The ``stats`` table: one line per tensor, fractions in percent, fingerprints shortened
+    to 16 hex digits (``--json`` has them whole); tensors holding NaN/Inf named after it."""
+    columns = ["key", "dtype", "shape", "min", "max", "mean", "std", "l2", "abs_max"]
+    table = frame[columns].copy()
+    table["shape"] = [str(list(shape)) for shape in frame["shape"]]
+    for name in ("zero", "nan", "inf"):
+        table[f"{name} %"] = 100 * frame[f"frac_{name}"]
+    if "fingerprint" in frame:
+        table["fingerprint"] = [str(value)[:16] for value in frame["fingerprint"]]
+    head = (
+        f"{frame.attrs.get('url')} ({frame.attrs.get('format')}): {len(frame)} tensors, "
+        f"{int(frame['numel'].sum()):,} elements"
+    )
+    lines = [head, table.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
+    bad = frame.loc[(frame["frac_nan"] > 0) | (frame["frac_inf"] > 0), "key"].tolist()
+    if bad:
+        shown = ", ".join(bad[:10]) + (" …" if len(bad) > 10 else "")
+        lines.append(f"{len(bad)} tensor(s) hold NaN or Inf: {shown}")
+    if frame.attrs.get("fingerprint"):
+        lines.append(f"fingerprint: {frame.attrs['fingerprint']}")
     return "\n".join(lines)
