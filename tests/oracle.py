@@ -171,7 +171,7 @@ TORCH_FREE_INSPECTION = r"""
 import base64, hashlib, math, os, pickle, sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import ckptkit
-from ckptkit.tables import preview
+from ckptkit.catalog.tables import preview
 
 seen = []
 for path in sys.argv[1:]:

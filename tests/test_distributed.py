@@ -30,7 +30,7 @@ RANK_JOB = textwrap.dedent(
     import json, os, sys, threading, time
     from pathlib import Path
 
-    from ckptkit.distributed import JobProgress, current, from_environment, rank_logger
+    from ckptkit.ops.distributed import JobProgress, current, from_environment, rank_logger
     from ckptkit.errors import DistributedError
 
     scenario, out = sys.argv[1], Path(sys.argv[2])
@@ -296,7 +296,7 @@ def test_outside_torchrun_nothing_is_distributed_and_torch_is_not_imported():
     probe = textwrap.dedent(
         """
         import sys
-        from ckptkit import distributed
+        from ckptkit.ops import distributed
         assert distributed.current() is None
         with distributed.from_environment() as ranks:
             assert ranks is None

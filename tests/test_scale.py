@@ -201,7 +201,7 @@ DIE_MID_WRITE = r"""
 import os, sys
 import torch.distributed as dist
 import ckptkit
-from ckptkit.writers import safetensors as writer
+from ckptkit.ops.writers import safetensors as writer
 
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:

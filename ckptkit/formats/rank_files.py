@@ -8,7 +8,8 @@ from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import FormatError, MissingFileError
 from ..storage import Storage
 from .detection import Detection, file_location
-from .parts.rank_sets import ALLOWED_GLOBALS, RANK_FILE, describe_ranks, rank_files
+from .parts.fsdp_pickles import ALLOWED_GLOBALS
+from .parts.rank_sets import RANK_FILE, describe_ranks, rank_files
 from .parts.unfinished import check_unfinished
 
 NAME = "rank_files"

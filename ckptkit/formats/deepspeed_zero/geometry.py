@@ -154,3 +154,6 @@ def _spread(rank: int, at: int, start: int, count: int, bounds: list[int]) -> li
             out.append(Piece(rank, group, at - bounds[group], start, take))
         at, start, count, group = at + take, start + take, count - take, group + 1
     return out
+
+
+__all__ = ["Layout", "Piece", "partitioned_layout", "stage3_layout", "stage3_slices"]

@@ -32,13 +32,9 @@ say another rank wrote it (a duplicated rank) or a shard no file holds. A ``step
 directory (OLMo saves there and renames it when done) opens with ``info["unfinished"]`` and a
 warning; plain FSDP rank files have no completion marker to check.
 
-Pickle safety. The rank files' pickles are decoded with :data:`ALLOWED_GLOBALS`. Everything that
-builds a tensor (``_rebuild_from_type_v2``, ``_rebuild_wrapper_subclass``, ``getattr``) accepts
-only these stand-ins and raises :class:`UnsafePickleError` for anything else; other unknown
-globals (user objects in trainer state) become named :class:`~ckptkit.unpickler.Opaque`
-placeholders, as in any torch.save file. ``builtins.getattr`` is allowed for exactly one pair,
-``(ShardedTensor, "ProcessGroupState")``, which is how ShardedTensor pickles its process-group
-state class.
+Pickle safety. The rank files' pickles are decoded with
+:data:`.fsdp_pickles.ALLOWED_GLOBALS`: plain stand-ins for the ShardedTensor and DTensor
+classes, nothing from torch imported or run (see :mod:`.fsdp_pickles`).
 """
 
 from __future__ import annotations
@@ -51,256 +47,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...catalog.model import Chunk, Entry, pickle_leaf
-from ...decoding.unpickler import OBJECT_GLOBALS, Opaque, TensorRef, unsealed
+from ...decoding.unpickler import TensorRef
 from ...dtypes import DType
-from ...errors import CoverageError, FormatError, UnsafePickleError
+from ...errors import CoverageError, FormatError
 from ...limits import count_missing, first_missing, ranks_text
 from ...storage import Storage
-from .dcp_metadata import ALLOWED_GLOBALS as DCP_GLOBALS
-from .dcp_metadata import restricted_getattr
+from .fsdp_pickles import (
+    ALLOWED_GLOBALS,
+    _DeviceMesh,
+    _DTensor,
+    _DTensorSpec,
+    _MeshLayout,
+    _ProcessGroupState,
+    _RemoteDevice,
+    _ReplicatePlacement,
+    _Shard,
+    _ShardedTensor,
+    _ShardedTensorMetadata,
+    _ShardMetadata,
+    _ShardPlacement,
+    _Standin,
+    value_name,
+)
 from .torch_save_files import Pickled, leaves, load_pickles, tensor_record
 
 RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 #: Top-level keys that are groups of their own; every other top-level key is trainer state.
 STATE_GROUPS = ("model", "optim")
 TRAIN_GROUP = "train"
-
-# --------------------------------------------------------------------------------------------
-# Stand-ins for the classes ShardedTensor and DTensor pickles name.
-
-
-class _Standin:
-    """A torch class stand-in: built (NEWOBJ/REDUCE) with its arguments, given its pickled state
-    (BUILD) as a dict; nothing of torch's class runs."""
-
-    def __new__(cls, *args: Any) -> _Standin:
-        obj = object.__new__(cls)
-        obj.args, obj.fields = args, {}
-        return obj
-
-    def __init__(self, *args: Any) -> None:
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        self.fields = _state_fields(state)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.fields.get(name, default)
-
-
-def _state_fields(state: Any) -> dict:
-    """A pickled state as one dict: the ``__dict__`` form, or ``(dict | None, slots dict)``."""
-    if isinstance(state, dict):
-        return state
-    if (
-        isinstance(state, tuple)
-        and len(state) == 2
-        and (state[0] is None or isinstance(state[0], dict))
-        and isinstance(state[1], dict)
-    ):
-        return {**(state[0] or {}), **state[1]}
-    return {}
-
-
-class _ProcessGroupState(_Standin):
-    """``ShardedTensor.ProcessGroupState``: local/global rank and world size of the writer."""
-
-
-class _WrapperTensor(_Standin):
-    """A tensor subclass rebuilt by ``_rebuild_wrapper_subclass``: global dtype and shape."""
-
-    dtype: Any = None
-    shape: Any = None
-
-
-class _ShardedTensor(_WrapperTensor):
-    """FSDP1's ShardedTensor: local shards plus the global metadata of every rank's shard."""
-
-    #: Reachable only through the one ``getattr`` the allowlist permits.
-    ProcessGroupState = _ProcessGroupState
-    local_shards: Any = None
-    metadata: Any = None
-    pg_state: Any = None
-
-    def __setstate__(self, state: Any) -> None:
-        # ShardedTensor.__reduce__ state: (local_shards, metadata, pg_state, sharding_spec, rrefs)
-        if isinstance(state, tuple) and len(state) >= 3:
-            self.local_shards, self.metadata, self.pg_state = state[0], state[1], state[2]
-
-
-class _DTensor(_WrapperTensor):
-    """A DTensor: ``_local_tensor`` and ``_spec`` (mesh, placements, tensor_meta)."""
-
-
-class _Shard(_Standin):
-    pass
-
-
-class _ShardMetadata(_Standin):
-    pass
-
-
-class _ShardedTensorMetadata(_Standin):
-    pass
-
-
-class _ChunkShardingSpec(_Standin):
-    pass
-
-
-class _RemoteDevice(_Standin):
-    pass
-
-
-class _DTensorSpec(_Standin):
-    pass
-
-
-class _TensorMeta(_Standin):
-    """A NamedTuple ``(shape, stride, dtype)``, built from its arguments."""
-
-
-class _DeviceMesh(_Standin):
-    pass
-
-
-class _MeshLayout(_Standin):
-    pass
-
-
-class _Placement(_Standin):
-    pass
-
-
-class _ShardPlacement(_Placement):
-    """``Shard(dim)``."""
-
-
-class _ReplicatePlacement(_Placement):
-    """``Replicate()``."""
-
-
-class _UnsupportedPlacement(_Placement):
-    """``Partial`` (values not reduced yet) or ``_StridedShard``: refused when describing."""
-
-
-_UNSUPPORTED: dict[str, type[_UnsupportedPlacement]] = {}
-
-
-def _name(value: Any) -> str:
-    """How a refused value is named in messages: an unknown global by its name."""
-    if isinstance(value, type) and issubclass(value, Opaque):
-        return value.global_name
-    if isinstance(value, Opaque):
-        return type(value).global_name
-    if isinstance(value, type):
-        return value.__name__
-    return type(value).__name__
-
-
-#: ``builtins.getattr`` for the one pair ShardedTensor pickles use, and nothing else (the
-#: shared restricted stand-in; Megatron's metadata allowlist builds its own from it).
-_getattr = restricted_getattr(
-    {(_ShardedTensor, "ProcessGroupState"): _ProcessGroupState},
-    "getattr(ShardedTensor, 'ProcessGroupState')",
-)
-
-
-def _rebuild_wrapper_subclass(
-    cls: Any, dtype: Any, size: Any, stride: Any, storage_offset: Any, *_ignored: Any
-) -> _WrapperTensor:
-    """``torch._utils._rebuild_wrapper_subclass`` for ShardedTensor and DTensor only."""
-    if not (isinstance(cls, type) and issubclass(cls, _WrapperTensor)):
-        raise UnsafePickleError(
-            f"pickle rebuilds a tensor subclass {_name(cls)}; only ShardedTensor and DTensor "
-            "are decoded, nothing was run",
-            global_name=_name(cls),
-        )
-    obj = cls()
-    obj.dtype = dtype
-    obj.shape = tuple(size) if isinstance(size, (tuple, list)) else size
-    return obj
-
-
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> _WrapperTensor:
-    """``torch._tensor._rebuild_from_type_v2`` as ShardedTensor and DTensor pickles use it."""
-    if unsealed(func) is not _rebuild_wrapper_subclass:
-        raise UnsafePickleError(
-            f"pickle rebuilds a tensor with {_name(func)}; only _rebuild_wrapper_subclass of "
-            "ShardedTensor / DTensor is decoded, nothing was run",
-            global_name=_name(func),
-        )
-    if not isinstance(args, tuple) or not args or args[0] is not new_type:
-        raise UnsafePickleError(
-            f"pickle rebuilds {_name(new_type)} from other arguments than torch writes",
-            global_name=_name(new_type),
-        )
-    obj = _rebuild_wrapper_subclass(*args)
-    obj.__setstate__(state)
-    return obj
-
-
-def _device(kind: Any, index: Any = None) -> str:
-    """``torch.device('cpu')`` as the string ``'cpu'`` (``'cuda:0'`` with an index)."""
-    if not isinstance(kind, str) or (index is not None and type(index) is not int):
-        raise UnsafePickleError(
-            "torch.device called with unexpected arguments", global_name="torch.device"
-        )
-    return kind if index is None else f"{kind}:{index}"
-
-
-def _allowed_globals() -> dict[str, Any]:
-    allow: dict[str, Any] = {
-        **OBJECT_GLOBALS,
-        "builtins.getattr": _getattr,
-        "torch.device": _device,
-        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
-        "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _ShardedTensor,
-        "torch.distributed._shard.sharded_tensor.shard.Shard": _Shard,
-        "torch.distributed._shard.metadata.ShardMetadata": _ShardMetadata,
-        "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata": (
-            _ShardedTensorMetadata
-        ),
-        "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec": (
-            _ChunkShardingSpec
-        ),
-        "torch.distributed.remote_device._remote_device": _RemoteDevice,
-        "torch.distributed.device_mesh.DeviceMesh": _DeviceMesh,
-        "torch.distributed._tensor.device_mesh.DeviceMesh": _DeviceMesh,
-        "torch.distributed._mesh_layout._MeshLayout": _MeshLayout,
-        "torch.distributed._mesh_layout._FlatLayout": _MeshLayout,
-    }
-    for name in ("TensorProperties", "MEM_FORMAT_ENCODING"):  # the classes DCP's metadata names
-        full = f"torch.distributed._shard.sharded_tensor.metadata.{name}"
-        allow[full] = DCP_GLOBALS[full]
-    # DTensor classes: torch >= 2.5 spells them under torch.distributed.tensor, older releases
-    # under torch.distributed._tensor.
-    for module in ("torch.distributed.tensor", "torch.distributed._tensor.api"):
-        allow[f"{module}.DTensor"] = _DTensor
-    for module in (
-        "torch.distributed.tensor._dtensor_spec",
-        "torch.distributed._tensor._dtensor_spec",
-        "torch.distributed._tensor.placement_types",
-    ):
-        allow[f"{module}.DTensorSpec"] = _DTensorSpec
-        allow[f"{module}.TensorMeta"] = _TensorMeta
-        allow[f"{module}.ShardOrderEntry"] = _Standin
-    for module in (
-        "torch.distributed.tensor.placement_types",
-        "torch.distributed._tensor.placement_types",
-    ):
-        allow[f"{module}.Shard"] = _ShardPlacement
-        allow[f"{module}.Replicate"] = _ReplicatePlacement
-        for name in ("Partial", "_Partial", "_StridedShard", "_MaskPartial"):
-            allow[f"{module}.{name}"] = _UNSUPPORTED.setdefault(
-                name, type(name, (_UnsupportedPlacement,), {})
-            )
-    return allow
-
-
-#: What a rank file's pickle may name: the object allowlist plus the stand-ins above.
-ALLOWED_GLOBALS = _allowed_globals()
 
 # --------------------------------------------------------------------------------------------
 # Finding the rank files.
@@ -539,7 +313,7 @@ class _Builder:
             dim = placement.get("dim") if isinstance(placement, _ShardPlacement) else None
             if type(dim) is not int or not -len(shape) <= dim < len(shape):
                 raise FormatError(
-                    f"{source}: DTensor placement {_name(placement)} is not supported "
+                    f"{source}: DTensor placement {value_name(placement)} is not supported "
                     "(only Shard and Replicate)"
                 )
             size, offset = _torch_chunk(sizes[dim], n, coord)
@@ -588,7 +362,7 @@ def _grouped_leaves(
     """``(catalog path, path in the pickle, leaf)`` of one rank file (grouping: module notes)."""
     value = pickled.value
     if not isinstance(value, Mapping):
-        raise FormatError(f"{pickled.source}: holds {_name(value)}, not a state dict")
+        raise FormatError(f"{pickled.source}: holds {value_name(value)}, not a state dict")
     if group is not None:
         for inner, leaf in leaves(value):
             yield (group, *inner), inner, leaf
@@ -624,7 +398,7 @@ def _local_shard(
     """The chunk of one local ``Shard`` of a ShardedTensor, checked against its metadata."""
     source = f"{pickled.source}: {key!r}"
     if not isinstance(shard, _Shard):
-        raise FormatError(f"{source}: local shard is {_name(shard)}, not a Shard")
+        raise FormatError(f"{source}: local shard is {value_name(shard)}, not a Shard")
     offsets, sizes, placed = _shard_box(shard.get("metadata"), shape, source)
     if placed is not None and placed != local_rank:
         raise CoverageError(
@@ -633,7 +407,7 @@ def _local_shard(
         )
     tensor = shard.get("tensor")
     if not isinstance(tensor, TensorRef):
-        raise FormatError(f"{source}: local shard holds {_name(tensor)}, not a tensor")
+        raise FormatError(f"{source}: local shard holds {value_name(tensor)}, not a tensor")
     if tensor.shape != sizes or tensor.dtype != dtype:
         raise FormatError(
             f"{source}: local shard is {_what('tensor', tensor.dtype, tensor.shape)}, "
@@ -702,3 +476,13 @@ def _sibling(files: Mapping[int, str], rank: int) -> str:
 
 def _what(kind: str, dtype: DType | None, shape: tuple[int, ...] | None) -> str:
     return f"a {dtype.name}{list(shape)} tensor" if kind == "tensor" and dtype else "an object"
+
+
+__all__ = [
+    "RANK_FILE",
+    "STATE_GROUPS",
+    "TRAIN_GROUP",
+    "RankSet",
+    "describe_ranks",
+    "rank_files",
+]

@@ -1,0 +1,91 @@
+"""The catalog of a ZeRO tag directory (or of the tag its run directory's ``latest`` names):
+the tag's pickles decoded and turned into entries, in ``zero_to_fp32``'s order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ...catalog.model import Catalog, CatalogBuilder, Entry, Facts
+from ...errors import FormatError, MissingFileError
+from ...storage import Storage
+from ..parts.torch_save_files import load_pickles
+from .detection import LATEST, NAME, SCRIPTS, latest_tag, list_tag_files, tag_evidence
+from .model_states import ModelStateEntries
+from .optimizer import OptimizerEntries
+from .pickles import ZERO_GLOBALS
+
+
+def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+    """The catalog of a ZeRO tag directory, or of the tag its run directory's ``latest`` names."""
+    listing = storage.listdir()
+    prefix, metadata, skipped = "", (), {}
+    if not tag_evidence(listing) and LATEST in listing:
+        tag = latest_tag(storage)
+        if listing.get(tag) != -1:
+            raise MissingFileError(f"{storage.describe(tag)}: missing ({LATEST} names it)")
+        prefix, metadata = f"{tag}/", (LATEST,)
+        skipped = {n: "DeepSpeed's converter script, not read" for n in SCRIPTS if n in listing}
+    tag_files = list_tag_files(storage, prefix)
+    skipped.update(tag_files.skipped)
+    names = [*tag_files.model, *tag_files.optim]
+    pickled = load_pickles(storage, names, tag_files.sizes, allow=ZERO_GLOBALS)
+    zero = _Zero([pickled[f] for f in tag_files.model], [pickled[f] for f in tag_files.optim])
+    builder = CatalogBuilder(NAME, object_globals=ZERO_GLOBALS)
+    builder.add_files(names)
+    source = storage.describe(prefix.rstrip("/"))
+    try:
+        entries = list(zero.entries())
+    except (AttributeError, TypeError, KeyError, ValueError, IndexError) as exc:
+        raise FormatError(
+            f"{source}: unexpected DeepSpeed ZeRO state ({type(exc).__name__}: {exc})"
+        ) from exc
+    builder.add_all(entries, source=source)
+    return builder.build(
+        Facts(
+            metadata_files=metadata,
+            world_size=zero.world,
+            version=_text(zero.model0.value.get("ds_version")),
+            checkpoint_id=prefix.rstrip("/") or None,
+            layout=zero.layout_name,
+            skipped_files=skipped,
+            bookkeeping_keys=tuple(f"optimizer_state_dict.{k}" for k in zero.geometry_keys),
+        )
+    )
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+class _Zero(ModelStateEntries, OptimizerEntries):
+    """The decoded model-state and optimizer-state pickles of one tag, turned into entries."""
+
+    def entries(self) -> Iterable[Entry]:
+        """``model``, ``module``, ``optim`` and ``train`` entries, ``model`` in zero_to_fp32's
+        order (buffers, frozen, trainable, tied)."""
+        shapes = self._param_shapes()
+        layout = self._layout(shapes)
+        params = {name: shape for group in shapes for name, shape in group}
+        model: dict[str, Entry] = {}
+        for entry in [*self._buffers(), *self._frozen()]:
+            model[entry.key] = entry
+        for name, shape in params.items():
+            key = f"model.{name}"
+            if key in model:
+                raise FormatError(
+                    f"{self.model0.source}: {name!r} is both a trainable parameter and a buffer "
+                    "or frozen parameter"
+                )
+            label = f"{self.flat_key}.{{group}}"
+            chunks = self._chunks(key, shape, layout.pieces[name], label, self.flats, self.optims)
+            model[key] = Entry(key, ("model", name), "tensor", chunks, self.dtype, shape)
+        model.update(self._shared(model))
+        yield from model.values()
+        yield from self._module(params)
+        yield from self._optim(params, layout)
+        yield from self._train()
+
+
+__all__ = ["describe"]
