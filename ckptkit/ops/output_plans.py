@@ -1,0 +1,350 @@
+"""The output files of unshard/convert, planned before any is written: one plan per group for
+unsharded torch.save / safetensors output, one task for a DCP directory, each split into
+:class:`Task` work items that a :class:`Copier` feeds with the tensors' bytes.
+
+Planning checks names (clashing paths, colliding files) before anything is read or written;
+a task's ``write`` then streams its file(s) into the staged output.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dtypes
+from ..catalog import output_names
+from ..catalog.keys import nest
+from ..catalog.model import Chunk, Entry
+from ..dtypes import DType
+from ..reading import Reader
+from ..storage import AtomicOutput
+from . import work
+from .writers import dcp as dcp_writer
+from .writers import safetensors as safetensors_writer
+from .writers import torch_save
+
+__all__ = ["Copier", "Task", "WrittenFile", "dcp_task", "unsharded_tasks"]
+
+
+@dataclass
+class WrittenFile:
+    """One output file: its name under the destination, bytes, and what it holds."""
+
+    name: str
+    nbytes: int
+    tensors: int
+    objects: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """A unit of work of a plan: output file(s) written together, from ``entries``."""
+
+    names: list[str]
+    entries: list[Entry]
+    nbytes: int  # tensor bytes written, for balancing and progress
+    write: Callable[[AtomicOutput, Copier], list[WrittenFile]]
+
+
+def unsharded_tasks(
+    entries: list[Entry], values: dict[str, Any], to: str, limit: int | None, cast: DType | None
+) -> list[Task]:
+    """The tasks writing ``entries`` unsharded as ``to`` (``"torch"`` or ``"safetensors"``, in
+    shards of at most ``limit`` bytes), one plan per group, their file names checked not to
+    collide before any is written; ``values`` holds the objects' values, ``cast`` the dtype of
+    floating tensors."""
+    by_group: dict[str, list[Entry]] = {}
+    for entry in entries:
+        by_group.setdefault(entry.group, []).append(entry)
+    plans = [
+        _plan_torch(group, items, values, cast)
+        if to == "torch"
+        else _plan_safetensors(group, items, values, limit, cast)
+        for group, items in by_group.items()
+    ]
+    output_names.check_distinct_files({plan.group: plan.names for plan in plans})
+    return [task for plan in plans for task in plan.tasks()]
+
+
+def dcp_task(entries: list[Entry], values: dict[str, Any]) -> Task:
+    """The one task writing ``entries`` as a DCP directory (data file + ``.metadata``)."""
+    tensors = [e for e in entries if e.kind == "tensor"]
+    write = functools.partial(_write_dcp, entries, values)
+    names = [dcp_writer.DATA_FILE, dcp_writer.METADATA]
+    return Task(names, tensors, sum(e.nbytes for e in tensors), write)
+
+
+def _write_dcp(
+    entries: list[Entry], values: dict[str, Any], output: AtomicOutput, copier: Copier
+) -> list[WrittenFile]:
+    """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``. ``values``
+    holds the objects' values."""
+    with output.open(dcp_writer.DATA_FILE) as stream:
+        records = dcp_writer.write_records(
+            stream,
+            entries,
+            copy_record=copier.record,
+            chunk_bytes=copier.chunk,
+            object_value=lambda entry: values[entry.key],
+        )
+        data_size = stream.tell()
+    metadata = dcp_writer.metadata_bytes(records, entries)
+    with output.open(dcp_writer.METADATA) as stream:
+        stream.write(metadata)
+    n_objects = len(values)
+    return [
+        WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - n_objects, n_objects),
+        WrittenFile(dcp_writer.METADATA, len(metadata), 0, 0),
+    ]
+
+
+class Copier:
+    """Produces each tensor's output bytes (cast when asked), advancing the progress bar;
+    stops when another worker failed."""
+
+    def __init__(self, reader: Reader, cast: DType | None, bar, stop: work.Stop) -> None:
+        self.reader, self.cast, self.bar, self.stop = reader, cast, bar, stop
+
+    def __call__(self, entry: Entry) -> Iterator[memoryview]:
+        for piece in self.checked(entry):
+            yield piece.data if isinstance(piece, torch_save.CheckedBytes) else piece
+            piece = None  # not held while the reader fetches the next batch
+
+    def checked(self, entry: Entry) -> Iterator[memoryview | torch_save.CheckedBytes]:
+        """The pieces, those the reader just checked with their CRC-32 (for a zip writer)."""
+        target = _out_dtype(entry.dtype, self.cast)
+        for piece, crc in self.reader.iter_checked(entry):
+            self.stop.check()
+            if target != entry.dtype:
+                piece, crc = _cast(piece, entry.dtype, target), None
+            self.bar.update(len(piece))
+            yield piece if crc is None else torch_save.CheckedBytes(piece, crc)
+            piece = None  # not held while the reader fetches the next batch
+
+    def record(self, entry: Entry, chunk: Chunk) -> bytes:
+        """A chunk's stored record, byte for byte (CRC-checked by the reader unless it was
+        opened with ``verify_crc=False``)."""
+        self.stop.check()
+        data = self.reader.read_record(entry, chunk)
+        self.bar.update(chunk.numel * entry.dtype.itemsize)
+        return data
+
+    def chunk(self, entry: Entry, chunk: Chunk) -> Iterator[memoryview]:
+        """One chunk's bytes; the whole tensor streams when the chunk is all of it."""
+        if (
+            chunk.offsets == (0,) * len(entry.shape)
+            and chunk.sizes == entry.shape
+            and not chunk.flat
+        ):
+            yield from self(entry)
+            return
+        piece = self.reader.read_chunk(entry, chunk)
+        self.bar.update(len(piece))
+        yield piece
+
+
+def _out_dtype(dt: DType, cast: DType | None) -> DType:
+    return cast if cast is not None and dt.is_floating else dt
+
+
+def _cast(piece: memoryview, source: DType, target: DType) -> memoryview:
+    import torch
+
+    if not len(piece):
+        return piece
+    tensor = torch.frombuffer(bytearray(piece), dtype=dtypes.to_torch(source)).to(
+        dtypes.to_torch(target)
+    )
+    return memoryview(tensor.view(torch.uint8).numpy())
+
+
+class _Plan:
+    """The output files of one group, and the tasks that write them."""
+
+    group: str
+    names: list[str]
+
+    def tasks(self) -> list[Task]:
+        raise NotImplementedError
+
+
+@dataclass
+class _TorchPlan(_Plan):
+    """A group as one torch.save file (``<group>.pt``, or ``name``), written by one task."""
+
+    group: str
+    entries: list[Entry]
+    values: dict[str, Any]  # the objects' values, by key
+    cast: DType | None = None
+    name: str = ""
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name or f"{output_names.encode_stem(self.group)}.pt"]
+
+    def tasks(self) -> list[Task]:
+        nbytes = sum(e.numel * _out_dtype(e.dtype, self.cast).itemsize for e in self.tensors)
+        return [Task(self.names, self.tensors, nbytes, self.write)]
+
+    @property
+    def tensors(self) -> list[Entry]:
+        return [e for e in self.entries if e.kind == "tensor"]
+
+    def write(self, output: AtomicOutput, copier: Copier) -> list[WrittenFile]:
+        name = self.names[0]
+        structure, streamed = _structure(self.entries, self.values, copier.cast)
+        with output.open(name) as stream:
+            torch_save.write(
+                stream,
+                structure,
+                lambda slot: copier.checked(streamed[id(slot)]),
+                archive_name=output_names.encode_stem(self.group),
+            )
+            size = stream.tell()
+        objects = sum(e.kind == "object" for e in self.entries)
+        return [WrittenFile(name, size, len(self.entries) - objects, objects)]
+
+
+def _plan_torch(
+    group: str, entries: list[Entry], values: dict[str, Any], cast: DType | None
+) -> _TorchPlan:
+    """The torch.save plan of ``group``, its paths checked to nest."""
+    plan = _TorchPlan(group, entries, values, cast)
+    _structure_paths(entries)  # clashing paths refused before anything is read or written
+    return plan
+
+
+def _structure(
+    entries: list[Entry], values: dict[str, Any], cast: DType | None
+) -> tuple[Any, dict[int, Entry]]:
+    """The group's nested value with tensors as slots (filled later) and objects as pickled."""
+    streamed: dict[int, Entry] = {}
+    items = []
+    for entry in entries:
+        if entry.kind == "object":
+            value = values[entry.key]
+        else:
+            value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
+            streamed[id(value)] = entry
+        items.append((_inner_path(entry), value))
+    nested = nest(items)
+    if len(entries) == 1 and len(entries[0].path) == 1:  # a group that is itself a leaf
+        nested = next(iter(nested.values()))
+    return nested, streamed
+
+
+def _inner_path(entry: Entry) -> tuple:
+    """The entry's path inside its group's file (a group that is itself a leaf: its own)."""
+    return entry.path[1:] if len(entry.path) > 1 else entry.path
+
+
+def _structure_paths(entries: list[Entry]) -> None:
+    """Check that the group's paths nest without clashes (see :func:`state_dict.nest`)."""
+    nest((_inner_path(e), None) for e in entries)
+
+
+@dataclass
+class _SafetensorsPlan(_Plan):
+    """A group as safetensors shards (one task each), their index when more than one, and the
+    ``<group>.objects.pt`` side file for its non-tensor entries."""
+
+    group: str
+    shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]]
+    objects: list[Entry]
+    values: dict[str, Any]
+
+    @property
+    def stem(self) -> str:
+        return output_names.encode_stem(self.group)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        n = len(self.shards)
+        if n == 1:
+            return [f"{self.stem}.safetensors"]
+        return [f"{self.stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    @property
+    def names(self) -> list[str]:
+        names = self.tensor_names if self.shards[0] else []
+        if len(self.shards) > 1:
+            names.append(f"{self.stem}.safetensors.index.json")
+        if self.objects:
+            names.append(f"{self.stem}.objects.pt")
+        return names
+
+    def tasks(self) -> list[Task]:
+        tasks = []
+        if self.shards[0]:
+            for name, shard in zip(self.tensor_names, self.shards, strict=True):
+                write = functools.partial(self._write_shard, name, shard)
+                nbytes = sum(item.nbytes for item, _ in shard)
+                tasks.append(Task([name], [entry for _, entry in shard], nbytes, write))
+        if len(self.shards) > 1:
+            index = f"{self.stem}.safetensors.index.json"
+            tasks.append(Task([index], [], 0, lambda output, _copier: [self._write_index(output)]))
+        if self.objects:
+            side = _TorchPlan(self.group, self.objects, self.values, name=f"{self.stem}.objects.pt")
+            tasks += side.tasks()
+        return tasks
+
+    @staticmethod
+    def _write_shard(
+        name: str,
+        shard: list[tuple[safetensors_writer.SafetensorsItem, Entry]],
+        output: AtomicOutput,
+        copier: Copier,
+    ) -> list[WrittenFile]:
+        by_item = {id(item): entry for item, entry in shard}
+        with output.open(name) as stream:
+            safetensors_writer.write(
+                stream,
+                [item for item, _ in shard],
+                lambda item: copier(by_item[id(item)]),
+                metadata={"format": "pt"},
+            )
+            return [WrittenFile(name, stream.tell(), len(shard), 0)]
+
+    def _write_index(self, output: AtomicOutput) -> WrittenFile:
+        """The HF ``*.safetensors.index.json`` naming each tensor's shard."""
+        index = {
+            "metadata": {
+                "total_size": sum(item.nbytes for shard in self.shards for item, _ in shard)
+            },
+            "weight_map": {
+                item.name: name
+                for name, shard in zip(self.tensor_names, self.shards, strict=True)
+                for item, _ in shard
+            },
+        }
+        name = f"{self.stem}.safetensors.index.json"
+        data = json.dumps(index, indent=2).encode()
+        with output.open(name) as stream:
+            stream.write(data)
+        return WrittenFile(name, len(data), 0, 0)
+
+
+def _plan_safetensors(
+    group: str, entries: list[Entry], values: dict[str, Any], limit: int | None, cast: DType | None
+) -> _SafetensorsPlan:
+    """The safetensors plan of ``group``: tensors in order, a new shard whenever the next would
+    take the current one past ``limit`` bytes."""
+    shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]] = [[]]
+    size = 0
+    tensors = [e for e in entries if e.kind == "tensor"]
+    names = output_names.safetensors_names({e.key: _inner_path(e) for e in tensors})
+    objects = [e for e in entries if e.kind == "object"]
+    _structure_paths(objects)
+    for entry in tensors:
+        item = safetensors_writer.SafetensorsItem(
+            names[entry.key], _out_dtype(entry.dtype, cast), entry.shape
+        )
+        if limit is not None and shards[-1] and size + item.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((item, entry))
+        size += item.nbytes
+    return _SafetensorsPlan(group, shards, objects, values)
