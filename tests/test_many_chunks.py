@@ -103,7 +103,7 @@ class _Counts:
 
     def __init__(self, monkeypatch) -> None:
         self.parsed = self.reads = 0
-        parse, read = reading.decode_tensor_record, Storage.read_ranges
+        parse, read = reading.fetch.decode_tensor_record, Storage.read_ranges
 
         def counted_parse(*args, **kwargs):
             self.parsed += 1
@@ -113,7 +113,7 @@ class _Counts:
             self.reads += 1
             return read(storage, ranges)
 
-        monkeypatch.setattr(reading, "decode_tensor_record", counted_parse)
+        monkeypatch.setattr(reading.fetch, "decode_tensor_record", counted_parse)
         monkeypatch.setattr(Storage, "read_ranges", counted_read)
 
 
@@ -210,7 +210,8 @@ def test_damaged_record_in_a_batch_names_file_and_key(damaged, tmp_path, member)
         reader = reading.Reader(Storage(str(damaged)), verify_crc=False)
         entry = ckptkit.open(str(damaged)).catalog.entries[key]
         assert not torch.equal(
-            reading._tensor_from_numpy(reader.read_array(entry), entry.dtype), small_full(101)
+            reading.geometry.tensor_from_numpy(reader.read_array(entry), entry.dtype),
+            small_full(101),
         )
 
 
@@ -296,7 +297,7 @@ def test_adjacent_records_are_read_as_one_range_per_file(many):
     records = [c.record for e in ckpt.catalog.tensors() for c in e.chunks]
     ranges = [(r.file, r.offset, r.offset + r.length) for r in records]
     ranges += ranges[:5]  # the same record asked twice (replicas) joins its range too
-    merged, pieces = reading._coalesced(ranges)
+    merged, pieces = reading.fetch._coalesced(ranges)
     assert sorted(file for file, _, _ in merged) == [f"__{r}_0.distcp" for r in range(WORLD_SIZE)]
     data = {f: (path / f).read_bytes() for f, _, _ in merged}
     for (file, start, end), (group, a, b) in zip(ranges, pieces, strict=True):

@@ -446,13 +446,13 @@ def test_read_object_decodes_a_file_once(tmp_path, monkeypatch):
     )
     ckpt = ckptkit.open(str(tmp_path / "o.pt"))
     calls = collections.Counter()
-    real = reading.safe_loads
+    real = reading.objects.safe_loads
 
     def counted(*args, **kwargs):
         calls["safe_loads"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reading, "safe_loads", counted)
+    monkeypatch.setattr(reading.objects, "safe_loads", counted)
     values = [ckpt.read_object(f"o.objs.{i}.v") for i in range(200)]
     assert values == list(range(200)) and calls["safe_loads"] == 1
 

@@ -11,7 +11,9 @@ from .. import dtypes, tunables
 from ..catalog.model import Entry
 from ..dtypes import DType
 from ..errors import CorruptRecordError
-from . import Reader
+from .reader import Reader
+
+__all__ = ["blocks", "aligned_blocks", "ByteStream", "bytes_equal", "as_float"]
 
 
 def blocks(reader: Reader, entry: Entry) -> Iterator[memoryview]:
