@@ -14,7 +14,7 @@ import torch
 
 import ckptkit
 from ckptkit.catalog import tables
-from ckptkit.decoding import pickle_limits, unpickler
+from ckptkit.decoding import pickle_limits, pickle_stream, unpickler
 from ckptkit.errors import CheckpointError, CorruptRecordError
 
 from oracle import assert_catalog_matches_torch
@@ -68,14 +68,14 @@ def many_keys(tmp_path_factory):
 def test_metadata_read_in_small_pieces_gives_the_same_catalog(many_keys, monkeypatch):
     whole = ckptkit.open(str(many_keys))
     seen: list[int] = []
-    reader_init = unpickler._PiecesReader.__init__
+    reader_init = pickle_stream.PiecesReader.__init__
 
     def spy(self, pieces):
         seen.append(len(pieces))
         reader_init(self, pieces)
 
-    monkeypatch.setattr(unpickler._PiecesReader, "__init__", spy)
-    monkeypatch.setattr(unpickler, "_PIECE", 997)  # an odd size: opcodes straddle pieces
+    monkeypatch.setattr(pickle_stream.PiecesReader, "__init__", spy)
+    monkeypatch.setattr(pickle_stream, "PIECE", 997)  # an odd size: opcodes straddle pieces
     in_pieces = ckptkit.open(str(many_keys))
     assert seen and seen[0] > 500, seen  # the metadata really was fed in pieces
     assert _catalog_dump(in_pieces) == _catalog_dump(whole)
@@ -85,7 +85,7 @@ def test_metadata_read_in_small_pieces_gives_the_same_catalog(many_keys, monkeyp
 
 
 def test_pieces_reader_lets_go_of_what_was_read():
-    reader = unpickler._PiecesReader([b"a" * 10, b"b" * 10, b"c" * 5])
+    reader = pickle_stream.PiecesReader([b"a" * 10, b"b" * 10, b"c" * 5])
     first = bytearray(12)
     assert reader.readinto(first) == 12 and bytes(first) == b"a" * 10 + b"bb"
     assert len(reader.pieces) == 2  # the first piece is released

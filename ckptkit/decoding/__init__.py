@@ -2,4 +2,12 @@
 records of torch.save zips, safetensors headers and config files. Nothing here runs checkpoint
 code; everything here reads through :mod:`ckptkit.storage`."""
 
-__all__ = ["known_objects", "pickle_limits", "record_layouts", "records", "run_config", "unpickler"]
+__all__ = [
+    "known_objects",
+    "pickle_limits",
+    "record_layouts",
+    "records",
+    "run_config",
+    "tensor_like",
+    "unpickler",
+]

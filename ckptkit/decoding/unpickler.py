@@ -5,9 +5,11 @@ Each global a pickle names is looked up in an allowlist that maps it to a harmle
 Outside the allowlist a global either raises :class:`UnsafePickleError` (metadata: strict) or
 becomes a visible :class:`Opaque` placeholder (user objects), never called. Stand-ins never
 allocate or iterate what a pickle merely announces (``bytearray(10**12)``, ``set(range(…))``,
-``numpy.ndarray(shape)``), and :mod:`ckptkit.pickle_limits` bounds the input before the C
-unpickler runs it and the value after. The one way around all this is
-``Checkpoint.read_object(key, trust=True)``, for objects only, never metadata.
+``numpy.ndarray(shape)``), nor format one into an error but through
+:func:`~ckptkit.decoding.bounded_repr.bounded_repr`; :mod:`~ckptkit.decoding.pickle_limits`
+bounds the input before the C unpickler runs it and the value after, and
+:mod:`~ckptkit.decoding.pickle_stream` feeds a large one to it in pieces. The one way around
+all this is ``Checkpoint.read_object(key, trust=True)``, for objects only, never metadata.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from .. import dtypes
 from ..dtypes import DType
 from ..errors import CheckpointError, CorruptRecordError, UnsafePickleError
+from .bounded_repr import bounded_repr
 from .pickle_limits import (
     ATOM,
     OBJECT_LIMITS,
@@ -43,6 +46,21 @@ from .pickle_limits import (
     scan_pieces,
     simulate,
 )
+from .pickle_stream import read_pieces, stream_over
+
+__all__ = [
+    "COMMON_GLOBALS",
+    "OBJECT_GLOBALS",
+    "TENSOR_GLOBALS",
+    "Opaque",
+    "StorageRef",
+    "TensorRef",
+    "is_opaque",
+    "paused_gc",
+    "python3_name",
+    "safe_loads",
+    "unsealed",
+]
 
 # --------------------------------------------------------------------------------------------
 # Stand-ins for torch.save's tensor encoding (persistent ids + _rebuild_tensor_v2).
@@ -72,6 +90,9 @@ class TensorRef:
     def __repr__(self) -> str:
         return f"Tensor({self.dtype.name}, {list(self.shape)})"
 
+    def __bounded_repr__(self, render: Callable[[Any], str]) -> str:
+        return f"Tensor({self.dtype.name}, {render(list(self.shape))})"
+
 
 class _StorageType:
     """Stand-in for a ``torch.FloatStorage``-like class named in a persistent id."""
@@ -96,6 +117,9 @@ class _SealedFunction:
 
     def __call__(self, *args: Any) -> Any:
         return self.function(*args)
+
+    def __bounded_repr__(self, render: Callable[[Any], str]) -> str:
+        return f"<function {self.function.__qualname__}>"
 
     def __setstate__(self, state: Any) -> None:
         raise _refuse_build(self.function.__qualname__)
@@ -139,7 +163,9 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
         raise CorruptRecordError(f"tensor rebuilt from {type(storage).__name__}, not a storage")
     shape, strides = _ints(size, "shape"), _ints(stride, "strides")
     if len(shape) != len(strides) or type(storage_offset) is not int or storage_offset < 0:
-        raise CorruptRecordError(f"tensor shape {shape} does not match strides {strides}")
+        raise CorruptRecordError(
+            f"tensor shape {bounded_repr(shape)} does not match strides {bounded_repr(strides)}"
+        )
     return TensorRef(storage, storage_offset, shape, strides, storage.dtype, bool(requires_grad))
 
 
@@ -148,7 +174,7 @@ def _rebuild_tensor_v3(
 ):
     """torch's form for dtypes without a typed storage (fp8, uint16…): untyped bytes + dtype."""
     if not isinstance(dtype, DType):
-        raise CorruptRecordError(f"tensor rebuilt with dtype {dtype!r}")
+        raise CorruptRecordError(f"tensor rebuilt with dtype {bounded_repr(dtype)}")
     ref = _rebuild_tensor(storage, storage_offset, size, stride, requires_grad)
     return TensorRef(
         ref.storage, ref.storage_offset, ref.shape, ref.stride, dtype, ref.requires_grad
@@ -206,7 +232,9 @@ def _numpy_reconstruct(subtype, shape, dtype):
     if subtype is not _NDARRAY:
         raise UnsafePickleError("only plain numpy arrays are allowed", global_name="numpy.ndarray")
     if shape not in ((0,), [0]):
-        raise CorruptRecordError(f"numpy array reconstructed with shape {shape!r}, not (0,)")
+        raise CorruptRecordError(
+            f"numpy array reconstructed with shape {bounded_repr(shape)}, not (0,)"
+        )
     return np.ndarray.__new__(np.ndarray, (0,), _numpy_dtype(dtype))
 
 
@@ -386,6 +414,10 @@ class Opaque(metaclass=_OpaqueGlobal):
     def __repr__(self) -> str:
         return f"<{self.global_name}{self.args!r}>" if self.args else f"<{self.global_name}>"
 
+    def __bounded_repr__(self, render: Callable[[Any], str]) -> str:
+        """:meth:`__repr__` within :func:`bounded_repr`'s budget (for values not yet checked)."""
+        return f"<{self.global_name}{render(self.args)}>" if self.args else f"<{self.global_name}>"
+
 
 _OPAQUE_CLASSES: dict[tuple[str, str], type[Opaque]] = {}
 
@@ -454,7 +486,7 @@ class _Unpickler(pickle.Unpickler):
             and issubclass(pid[1], Opaque)
         ):
             return pid[1]
-        raise UnsafePickleError(f"{self._source}: unexpected persistent id {reprlib.repr(pid)}")
+        raise UnsafePickleError(f"{self._source}: unexpected persistent id {bounded_repr(pid)}")
 
 
 @contextlib.contextmanager
@@ -491,14 +523,14 @@ def safe_loads(
 
     ``source`` names the input in errors; ``unknown="opaque"`` keeps refused globals as
     :class:`Opaque` placeholders instead of raising :class:`UnsafePickleError`. ``limits``
-    (:data:`~ckptkit.pickle_limits.METADATA_LIMITS`, ``RECORD_LIMITS``, ``OBJECT_LIMITS``)
+    (:data:`~ckptkit.decoding.pickle_limits.METADATA_LIMITS`, ``RECORD_LIMITS``, ``OBJECT_LIMITS``)
     caps input size, memo, container sizes and nesting; a pickle beyond them raises
     :class:`~ckptkit.errors.LimitExceededError` before it allocates or recurses (see
-    :mod:`ckptkit.pickle_limits`).
+    :mod:`ckptkit.decoding.pickle_limits`).
     """
     # a stream is read in pieces that are scanned, then fed to the unpickler and dropped one
     # by one as it consumes them: the pickle is never held whole next to what it builds
-    pieces = _read_pieces(data, limits.max_bytes + 1) if hasattr(data, "read") else [bytes(data)]
+    pieces = read_pieces(data, limits.max_bytes + 1) if hasattr(data, "read") else [bytes(data)]
     try:
         with paused_gc():
             levels = sum(map(nesting_bound, pieces))
@@ -509,11 +541,7 @@ def safe_loads(
                 levels = limits.max_tuple_depth  # the simulation bounded it exactly
             else:  # at most 2**20 steps to hash any tuple; larger inputs get a big stack
                 scan_pieces(pieces, limits, source)
-            stream = (
-                io.BytesIO(pieces[0])  # shares the bytes, no copy
-                if len(pieces) == 1
-                else io.BufferedReader(_PiecesReader(pieces), _STREAM_BUFFER)
-            )
+            stream = stream_over(pieces)
             del pieces  # the stream holds the only references now
             value = run_with_stack(levels, _Unpickler(stream, allow, unknown, source).load)
             if limits.check_value:
@@ -527,49 +555,17 @@ def safe_loads(
         raise
     except Exception as exc:  # malformed input raises all sorts of things
         raise CorruptRecordError(
-            f"{source}: cannot unpickle: {type(exc).__name__}: {reprlib.repr(str(exc))}"
+            f"{source}: cannot unpickle: {type(exc).__name__}: {_exception_text(exc)}"
         ) from exc
 
 
-#: Bytes read from a stream at a time (the unit the unpickler releases), and buffered for it.
-_PIECE = 4 << 20
-_STREAM_BUFFER = 1 << 20
-
-
-def _read_pieces(stream: BinaryIO, limit: int) -> list[bytes]:
-    """At most ``limit`` bytes of ``stream``, in pieces of :data:`_PIECE` bytes
-    (``read(limit)`` would allocate the whole limit up front)."""
-    pieces, total = [], 0
-    while total < limit:
-        piece = stream.read(min(_PIECE, limit - total))
-        if not piece:
-            break
-        pieces.append(piece)
-        total += len(piece)
-    return pieces
-
-
-class _PiecesReader(io.RawIOBase):
-    """A raw stream over scanned pieces that lets go of each piece once it has been read."""
-
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = collections.deque(pieces)
-        self.at = 0  # read position in the first piece
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        view, done = memoryview(buffer).cast("B"), 0
-        while done < len(view) and self.pieces:
-            piece = self.pieces[0]
-            n = min(len(view) - done, len(piece) - self.at)
-            view[done : done + n] = memoryview(piece)[self.at : self.at + n]
-            done, self.at = done + n, self.at + n
-            if self.at == len(piece):
-                self.pieces.popleft()
-                self.at = 0
-        return done
+def _exception_text(exc: Exception) -> str:
+    """``str(exc)`` shortened, for an error naming what went wrong; an exception holding a decoded
+    value (``KeyError(key)``) shows it through :func:`bounded_repr`, since its ``str`` would
+    print the value whole."""
+    if all(isinstance(arg, str | bytes | int | float | None) for arg in exc.args):
+        return reprlib.repr(str(exc))
+    return bounded_repr(exc.args, chars=60)
 
 
 _ATOM_RESULTS = {

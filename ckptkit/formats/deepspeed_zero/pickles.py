@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...decoding.bounded_repr import bounded_repr
 from ...decoding.unpickler import OBJECT_GLOBALS, TensorRef, unsealed
 from ...errors import CorruptRecordError, UnsafePickleError
 
@@ -19,7 +20,7 @@ _REBUILD_TENSOR = unsealed(OBJECT_GLOBALS["torch._utils._rebuild_tensor_v2"])
 def _zero_stage(value: Any = None) -> int:
     """``ZeroStageEnum(n)`` → ``n`` (0 disabled … 3 weights)."""
     if type(value) is not int or not 0 <= value <= 3:
-        raise CorruptRecordError(f"ZeroStageEnum({value!r}) is not a ZeRO stage 0..3")
+        raise CorruptRecordError(f"ZeroStageEnum({bounded_repr(value)}) is not a ZeRO stage 0..3")
     return value
 
 
@@ -39,10 +40,14 @@ class FragmentAddress:
         if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
             state = state[1]  # (None, slots) for slotted classes
         if not isinstance(state, dict) or set(state) != {"numel", "start"}:
-            raise CorruptRecordError(f"fragment_address state {state!r} is not numel/start")
+            raise CorruptRecordError(
+                f"fragment_address state {bounded_repr(state)} is not numel/start"
+            )
         numel, start = state["numel"], state["start"]
         if type(numel) is not int or type(start) is not int or numel < 0 or start < 0:
-            raise CorruptRecordError(f"fragment_address({numel!r}, {start!r}) is not two ints")
+            raise CorruptRecordError(
+                f"fragment_address({bounded_repr(numel)}, {bounded_repr(start)}) is not two ints"
+            )
         self.numel, self.start = numel, start
 
     def __eq__(self, other: object) -> bool:
@@ -96,3 +101,6 @@ ZERO_GLOBALS: dict[str, Any] = {
     "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
     "torch.Tensor": _TENSOR,
 }
+
+
+__all__ = ["ZERO_GLOBALS", "FragmentAddress"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import re
-import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...catalog.model import Chunk, Encoding, Entry, Record
+from ...decoding.bounded_repr import bounded_repr
 from ...decoding.pickle_limits import METADATA_LIMITS
 from ...decoding.unpickler import COMMON_GLOBALS, paused_gc, safe_loads, unsealed
 from ...dtypes import DType
@@ -26,6 +26,19 @@ from ...errors import (
     UnsafePickleError,
 )
 from ...storage import Storage
+
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "DATA_FILE",
+    "MEMORY_FORMAT_MEMBERS",
+    "METADATA",
+    "RANK_METADATA",
+    "MetadataStandin",
+    "Standin",
+    "metadata_files",
+    "read_dcp",
+    "restricted_getattr",
+]
 
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -135,12 +148,18 @@ class _StorageInfo(Record):
                 state.get("length"),
             )
             descriptors = state.get("transform_descriptors")
-        self.transform = (
-            "+".join(_TRANSFORMS.get(d, str(d)) for d in descriptors) if descriptors else None
-        )
+        self.transform = "+".join(map(_transform, descriptors)) if descriptors else None
         self.encoding = Encoding.TORCH_SAVE
         self.name = self.stride = self.crc32 = None
         self.storage_offset = 0
+
+
+def _transform(descriptor: Any) -> str:
+    """A transform descriptor as the record's transform names it (any other value as bounded
+    text: the stand-in runs while the pickle loads, before anything checked it)."""
+    if isinstance(descriptor, str):
+        return _TRANSFORMS.get(descriptor, str(descriptor))
+    return bounded_repr(descriptor)
 
 
 class _MetadataIndex:
@@ -168,7 +187,7 @@ _MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
 
 def _memory_format(value: int) -> str:
     if not isinstance(value, int) or not 0 <= value < len(_MEMORY_FORMATS):
-        raise CorruptRecordError(f"unknown memory-format code {value!r}")
+        raise CorruptRecordError(f"unknown memory-format code {bounded_repr(value)}")
     return _MEMORY_FORMATS[value]
 
 
@@ -240,7 +259,7 @@ def restricted_getattr(allowed: Mapping[tuple[type, str], Any], what: str) -> Ca
             if found is not _MISSING:
                 return found
         raise UnsafePickleError(
-            f"pickle calls builtins.getattr({_shown(obj)}, {str(name)[:40]!r}); only {what} "
+            f"pickle calls builtins.getattr({_shown(obj)}, {_shown_name(name)}); only {what} "
             "is allowed, nothing was run",
             global_name="builtins.getattr",
         )
@@ -249,6 +268,11 @@ def restricted_getattr(allowed: Mapping[tuple[type, str], Any], what: str) -> Ca
 
 
 _MISSING = object()
+
+
+def _shown_name(name: Any) -> str:
+    """The attribute a refused getattr asks for, short (bounded whatever the pickle passed)."""
+    return repr(str(name[:40])) if isinstance(name, str) else bounded_repr(name, chars=40)
 
 
 def _shown(value: Any) -> str:
@@ -339,7 +363,7 @@ class _MetadataUnion:
         tensor_chunks: dict[str, list[Chunk]] = {}
         for fqn, item in metadata.get("state_dict_metadata").items():
             if not isinstance(fqn, str):
-                raise FormatError(f"{source}: non-string key {fqn!r}")
+                raise FormatError(f"{source}: non-string key {bounded_repr(fqn)}")
             path = planner_data.get(fqn)
             if not (isinstance(path, tuple | list) and path and all(map(_is_part, path))):
                 path = (fqn,)
@@ -359,10 +383,14 @@ class _MetadataUnion:
         properties = item.get("properties")
         dtype = properties.dtype if isinstance(properties, _TensorProperties) else None
         if not isinstance(dtype, DType):
-            raise FormatError(f"{source}: tensor {fqn!r} has no known dtype ({dtype!r})")
+            raise FormatError(
+                f"{source}: tensor {fqn!r} has no known dtype ({bounded_repr(dtype)})"
+            )
         shape = item.get("size")
         if not _is_box(shape, None):
-            raise FormatError(f"{source}: tensor {fqn!r} has a malformed size {shape!r}")
+            raise FormatError(
+                f"{source}: tensor {fqn!r} has a malformed size {bounded_repr(shape)}"
+            )
         self._kind(fqn, ("tensor", dtype, shape), source)
         chunks = item.get("chunks") or []
         if not isinstance(chunks, list) or not all(
@@ -448,7 +476,7 @@ class _MetadataUnion:
         chunk = by_offsets[fqn].get(offset) if _is_box(offset, len(self.kinds[fqn][2])) else None
         if chunk is None:
             raise FormatError(
-                f"{source}: {fqn!r} has a record for no chunk ({reprlib.repr(index.offset)})"
+                f"{source}: {fqn!r} has a record for no chunk ({bounded_repr(index.offset)})"
             )
         return chunk
 
