@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptkit
-from ckptkit import storage as storage_module
+import ckptkit.storage.atomic as storage_module
 
 N_TENSORS, ROWS = 6, 4096  # six 64 MB float32 tensors
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit import storage as storage_module
+import ckptkit.storage.retry as storage_module
 from ckptkit import tunables
 from ckptkit.errors import AccessDeniedError, CorruptRecordError, MissingFileError, StorageError
 from ckptkit.storage import Storage

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 import ckptkit
-from ckptkit import storage as storage_module
+import ckptkit.storage.atomic as storage_module
 from ckptkit import tunables
 from ckptkit.errors import (
     CorruptRecordError,
