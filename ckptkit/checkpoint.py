@@ -18,6 +18,7 @@ from .storage import Storage
 if TYPE_CHECKING:  # pandas is imported on first use: opening a checkpoint does not need it
     import pandas as pd
 
+    from .catalog.accounting import ByteAccount
     from .catalog.tables import Summary
 
 
@@ -101,7 +102,7 @@ class Checkpoint(Source):
         """One row per data file: size on disk, records, tensor/object bytes, framing overhead."""
         from .catalog import tables
 
-        return tables.files_table(self.catalog, self.storage.sizes(self.catalog.files))
+        return tables.files_table(self.catalog, self._byte_account)
 
     @cached_property
     def objects(self) -> pd.DataFrame:
@@ -115,9 +116,20 @@ class Checkpoint(Source):
     def summary(self) -> Summary:
         """Bytes by group, dtype, file and rank, and the parameter count."""
         from .catalog import tables
+        from .catalog.model import left_as_objects_warning
 
-        metadata = self.storage.sizes(list(self.catalog.facts.metadata_files))
-        return tables.summarize(self.tensors, self.objects, self.files, metadata, self.catalog)
+        warning = left_as_objects_warning(self.catalog.entries.values())
+        return tables.summarize(
+            self.tensors, self.objects, self.files, self._byte_account, warning=warning
+        )
+
+    @cached_property
+    def _byte_account(self) -> ByteAccount:
+        """Files and bytes (:func:`~ckptkit.ops.sizes.byte_account`), looked up once for the
+        files table, the summary and the HTML repr."""
+        from .ops.sizes import byte_account
+
+        return byte_account(self)
 
     # -- values ----------------------------------------------------------------------------
 
@@ -213,22 +225,36 @@ class Checkpoint(Source):
     # -- display ---------------------------------------------------------------------------
 
     def __repr__(self) -> str:
+        from .catalog.accounting import counted_files
+
         n_tensors = len(self.catalog.tensors())
+        n_files = sum(map(len, counted_files(self.catalog)))
         return (
             f"<Checkpoint {self.format} {self.url!r}: {n_tensors} tensors, "
-            f"{len(self.catalog.entries) - n_tensors} objects, {len(self.catalog.files)} files>"
+            f"{len(self.catalog.entries) - n_tensors} objects, {n_files} files>"
         )
 
     def _repr_html_(self) -> str:
+        from .catalog.tables import alternates_text, bytes_text, files_text
         from .units import human_bytes
 
+        account = self._byte_account
         frame = self.tensors
-        groups = frame.groupby("group", sort=False)["nbytes"].sum()
-        group_text = ", ".join(f"{html.escape(str(g))} {human_bytes(b)}" for g, b in groups.items())
-        top = frame.nlargest(5, "nbytes")[["key", "dtype", "shape", "nbytes", "n_chunks"]]
+        alternates = account.alternate_groups
+        groups = ", ".join(
+            f"{html.escape(str(group))} {human_bytes(owned.tensor_bytes + owned.object_bytes)}"
+            for group, owned in account.by_group.items()
+        )
+        stored = frame[~frame["group"].isin(alternates)]
+        top = stored.nlargest(5, "nbytes")[["key", "dtype", "shape", "nbytes", "n_chunks"]]
+        note = f"<br>{html.escape(alternates_text(alternates))}" if alternates else ""
+        bytes_line = bytes_text(
+            account.tensor_bytes, account.object_bytes, account.overhead_bytes,
+            account.metadata_bytes,
+        )  # fmt: skip
         return (
             f"<div><b>{html.escape(self.format)}</b> checkpoint <code>{html.escape(self.url)}</code><br>"
-            f"{len(frame)} tensors ({human_bytes(int(frame['nbytes'].sum()))}), "
-            f"{len(self.catalog.entries) - len(frame)} objects, {len(self.catalog.files)} files; "
-            f"groups: {group_text}<br>largest tensors:{top.to_html(index=False)}</div>"
+            f"{len(frame)} tensors, {len(self.catalog.entries) - len(frame)} objects, "
+            f"{files_text(len(account.files), account.size)} ({bytes_line}); "
+            f"stored by group: {groups}{note}<br>largest tensors:{top.to_html(index=False)}</div>"
         )

@@ -34,13 +34,15 @@ def test_inspect_json_matches_torch_metadata():
         assert tensors[key]["nbytes"] == item.size.numel() * item.properties.dtype.itemsize
     assert {o["key"] for o in doc["objects"]} == set(metadata.state_dict_metadata) - set(expected)
     on_disk = {p.name: p.stat().st_size for p in (FIXTURE / "model_and_optim").glob("*.distcp")}
-    assert {f["file"]: f["size"] for f in doc["files"]} == on_disk
+    on_disk[".metadata"] = (FIXTURE / "model_and_optim" / ".metadata").stat().st_size
+    assert {f["file"]: f["size"] for f in doc["files"]} == on_disk  # data files and metadata
+    assert [f["kind"] for f in doc["files"]] == ["data"] * (len(on_disk) - 1) + ["metadata"]
     summary = doc["summary"]
     assert (summary["tensors"], summary["objects"]) == (len(expected), len(doc["objects"]))
     model = [v for k, v in expected.items() if metadata.planner_data[k][0] == "model"]
     assert summary["parameters"] == sum(v.size.numel() for v in model)
     assert summary["parameters_counted"] == "model"
-    assert summary["bytes_on_disk"] == sum(on_disk.values())
+    assert (summary["files"], summary["bytes_on_disk"]) == (len(on_disk), sum(on_disk.values()))
     top = json.loads(
         run("inspect", str(FIXTURE / "model_and_optim"), "--json", "--top", "2").stdout
     )

@@ -5,9 +5,9 @@ Only ``files`` (sizes on disk) and ``objects`` (previews) touch storage; none re
 
 from __future__ import annotations
 
+import html
 import math
 import reprlib
-from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -19,6 +19,7 @@ import pandas as pd
 
 from ..decoding.unpickler import paused_gc
 from ..units import human_bytes
+from .accounting import ByteAccount, GroupBytes
 from .model import Catalog, Encoding, Entry, shared
 
 __all__ = [
@@ -32,7 +33,9 @@ __all__ = [
     "summarize",
     "BYTE_COLUMNS",
     "readable",
-    "object_bytes_by_group",
+    "files_text",
+    "bytes_text",
+    "alternates_text",
 ]
 
 _preview_repr = reprlib.Repr()
@@ -58,7 +61,10 @@ def tensors_table(catalog: Catalog) -> pd.DataFrame:
         for entry in catalog.tensors()
     ]
     columns = ["key", "group", "dtype", "shape", "numel", "nbytes", "n_chunks", "sharded_dims"]
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    if not rows:  # numbers typed even with no tensors (all left as objects): reports rank them
+        frame = frame.astype({"numel": "int64", "nbytes": "int64", "n_chunks": "int64"})
+    return frame
 
 
 def _sharded_dims(entry: Entry) -> tuple[int | str, ...]:
@@ -107,40 +113,28 @@ _ENCODING, _TRANSFORM = attrgetter("encoding"), attrgetter("transform")
 _ENCODING_VALUES = {encoding: encoding.value for encoding in Encoding}
 
 
-def files_table(catalog: Catalog, sizes: dict[str, int | None]) -> pd.DataFrame:
-    """One row per data file: size on disk, records, element and object bytes, framing."""
-    records: dict[str, int] = defaultdict(int)
-    tensor_bytes: dict[str, int] = defaultdict(int)
-    object_bytes: dict[str, int] = defaultdict(int)
+def files_table(catalog: Catalog, account: ByteAccount) -> pd.DataFrame:
+    """One row per data file: size on disk, distinct stored records, their tensor and object
+    bytes, and the framing around them (from ``account``: each stored record counted once)."""
     ranks: dict[str, int | None] = {}
-    seen: set[tuple[str, int, int]] = set()  # many object leaves can share one pickle record
     for entry in catalog.entries.values():
         for chunk in entry.chunks:
-            record = chunk.record
-            if record is None:
-                continue
-            file = record.file
-            ranks.setdefault(file, chunk.rank)
-            if entry.kind == "tensor":
-                records[file] += 1
-                tensor_bytes[file] += chunk.numel * entry.dtype.itemsize
-            elif (file, record.offset, record.length) not in seen:
-                seen.add((file, record.offset, record.length))
-                records[file] += 1
-                object_bytes[file] += record.length
+            if chunk.record is not None:
+                ranks.setdefault(chunk.record.file, chunk.rank)
     rows = []
-    for file in catalog.files:
-        size = sizes.get(file)
-        framing = size - tensor_bytes[file] - object_bytes[file] if size is not None else None
+    for file in account.data_files:
+        size = account.sizes.get(file)
+        counts = account.per_file[file]
+        stored = counts.tensor_bytes + counts.object_bytes
         rows.append(
             (
                 file,
                 ranks.get(file),
                 size,
-                records[file],
-                tensor_bytes[file],
-                object_bytes[file],
-                framing,
+                counts.records,
+                counts.tensor_bytes,
+                counts.object_bytes,
+                size - stored if size is not None else None,
             )
         )
     columns = ["file", "rank", "size", "records", "tensor_bytes", "object_bytes", "overhead_bytes"]
@@ -189,7 +183,10 @@ def _type_name(value: Any) -> str:
 
 @dataclass
 class Summary:
-    """Totals of a checkpoint: by group, by dtype, by file/rank, and the parameter count."""
+    """Totals of a checkpoint: by group, by dtype, by file/rank, and the parameter count.
+
+    Files and bytes are those of its :class:`~ckptkit.catalog.accounting.ByteAccount`, the
+    numbers ``inspect``, the reprs and ``compare_sizes`` report too."""
 
     by_group: pd.DataFrame
     by_dtype: pd.DataFrame
@@ -205,6 +202,16 @@ class Summary:
     #: data files + metadata files
     files: int = 0
     metadata_bytes: int = 0
+    #: bytes of distinct stored tensor / object records, and the framing around them
+    tensor_bytes: int = 0
+    object_bytes: int = 0
+    overhead_bytes: int = 0
+    #: groups that re-expose bytes other groups hold (Megatron's ``stacked``): listed in
+    #: ``by_group`` with their ``nbytes``, but owning no ``stored_bytes``
+    alternate_groups: tuple[str, ...] = ()
+    #: a first line no reader may miss: tensors ckptkit left as objects, unread
+    #: (:func:`~ckptkit.catalog.model.left_as_objects_warning`); '' when there are none
+    warning: str = ""
 
     @property
     def ranked(self) -> bool:
@@ -219,53 +226,104 @@ class Summary:
             return f"{self.parameters:,} parameters in 'model'"
         return f"{self.parameters:,} elements in all tensors (no 'model' group)"
 
+    @property
+    def files_text(self) -> str:
+        """``'3 files, 1.7 MB on disk'``: what every rendering of a checkpoint says."""
+        return files_text(self.files, self.total_bytes)
+
+    @property
+    def bytes_text(self) -> str:
+        """Where the bytes on disk go: ``'tensors 1.2 MB, objects 4 kB, framing 30 kB,
+        metadata 56 kB'``."""
+        return bytes_text(
+            self.tensor_bytes, self.object_bytes, self.overhead_bytes, self.metadata_bytes
+        )
+
+    @property
+    def alternates_text(self) -> str:
+        """A note naming the alternate groups ('' when there are none)."""
+        return alternates_text(self.alternate_groups)
+
     def _repr_html_(self) -> str:
-        parts = [
-            f"<p><b>{self.parameters_text}</b>, <b>{human_bytes(self.total_bytes)}</b> on disk</p>"
+        parts = [f"<p><b>{html.escape(self.warning)}</b></p>"] if self.warning else []
+        parts += [
+            f"<p><b>{self.parameters_text}</b>, <b>{html.escape(self.files_text)}</b> "
+            f"({html.escape(self.bytes_text)})</p>"
         ]
         tables = [("by group", self.by_group), ("by dtype", self.by_dtype)]
         if self.ranked:
             tables.append(("by rank", self.by_rank))
         for title, frame in tables:
             parts.append(f"<h4>{title}</h4>{readable(frame).to_html()}")
+            if title == "by group" and self.alternates_text:
+                parts.append(f"<p>{html.escape(self.alternates_text)}</p>")
         return "".join(parts)
 
     def __str__(self) -> str:
+        note = f"\n{self.alternates_text}" if self.alternates_text else ""
         text = (
-            f"{self.parameters_text}, {self.files} files, {human_bytes(self.total_bytes)} on disk"
-            f"\n\nby group:\n{self.by_group}\n\nby dtype:\n{self.by_dtype}"
+            (f"{self.warning}\n" if self.warning else "")
+            + f"{self.parameters_text}, {self.files_text} ({self.bytes_text})"
+            f"\n\nby group:\n{self.by_group}{note}\n\nby dtype:\n{self.by_dtype}"
         )
         return text + (f"\n\nby rank:\n{self.by_rank}" if self.ranked else "")
+
+
+def files_text(files: int, size: int) -> str:
+    """``'3 files, 1.7 MB on disk'``."""
+    return f"{files} files, {human_bytes(size)} on disk"
+
+
+def bytes_text(
+    tensor_bytes: int, object_bytes: int, overhead_bytes: int, metadata_bytes: int
+) -> str:
+    """``'tensors 1.2 MB, objects 4 kB, framing 30 kB, metadata 56 kB'``."""
+    return (
+        f"tensors {human_bytes(tensor_bytes)}, objects {human_bytes(object_bytes)}, "
+        f"framing {human_bytes(overhead_bytes)}, metadata {human_bytes(metadata_bytes)}"
+    )
+
+
+def alternates_text(groups: tuple[str, ...]) -> str:
+    """What alternate groups are, for a note under a table that lists them."""
+    if not groups:
+        return ""
+    names = ", ".join(repr(group) for group in groups)
+    return (
+        f"{names}: alternate view of bytes other groups hold (not counted again in the "
+        "stored bytes)"
+    )
 
 
 def summarize(
     tensors: pd.DataFrame,
     objects: pd.DataFrame,
     files: pd.DataFrame,
-    metadata_sizes: Mapping[str, int | None] | None = None,
-    catalog: Catalog | None = None,
+    account: ByteAccount,
+    *,
+    warning: str = "",
 ) -> Summary:
     """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none);
-    files and bytes include the metadata files (``metadata_sizes``), and with the ``catalog``
-    object bytes count each stored record once, as ``compare_sizes`` counts them."""
+    files and bytes are ``account``'s (data and metadata files, each stored record once):
+    ``by_group`` has each group's tensor ``nbytes`` (its elements) and the ``stored_bytes`` and
+    ``object_bytes`` of the records it is first to view."""
     by_group = (
         tensors.groupby("group", sort=False)
         .agg(tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum"))
-        .join(
-            objects.groupby("group", sort=False).agg(
-                objects=("key", "size"), object_bytes=("nbytes", "sum")
-            ),
-            how="outer",
-        )
+        .join(objects.groupby("group", sort=False).agg(objects=("key", "size")), how="outer")
         .fillna(0)
         .astype("int64")
     )
-    if catalog is not None:
-        per_group = object_bytes_by_group(catalog)
-        by_group["object_bytes"] = [per_group.get(group, 0) for group in by_group.index]
+    owned = account.by_group
+    by_group.insert(
+        3, "stored_bytes", [_owned(owned, group).tensor_bytes for group in by_group.index]
+    )
+    by_group["object_bytes"] = [_owned(owned, group).object_bytes for group in by_group.index]
+    by_group = by_group.astype("int64")
     by_dtype = tensors.groupby("dtype").agg(
         tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum")
     )
+    by_dtype["stored_bytes"] = [account.by_dtype.get(name, 0) for name in by_dtype.index]
     by_file = files.set_index("file")[
         ["rank", "size", "records", "tensor_bytes", "object_bytes", "overhead_bytes"]
     ]
@@ -274,18 +332,28 @@ def summarize(
     ].sum()
     model = tensors[tensors["group"] == "model"]
     parameters = int((model if len(model) else tensors)["numel"].sum())
-    metadata_bytes = sum(size or 0 for size in (metadata_sizes or {}).values())
-    total_bytes = int(files["size"].fillna(0).sum()) + metadata_bytes
     counted = "model" if len(model) else "all tensors"
-    n_files = len(files) + len(metadata_sizes or {})
     return Summary(
-        by_group, by_dtype, by_file, by_rank, parameters, total_bytes, counted, n_files,
-        metadata_bytes,
+        by_group, by_dtype, by_file, by_rank, parameters, account.size, counted,
+        len(account.files), account.metadata_bytes, account.tensor_bytes, account.object_bytes,
+        account.overhead_bytes, account.alternate_groups, warning,
     )  # fmt: skip
 
 
+def _owned(owned: Mapping[str, GroupBytes], group: str) -> GroupBytes:
+    return owned.get(group) or GroupBytes()
+
+
 #: Columns that hold byte counts, shown in human units where people read them.
-BYTE_COLUMNS = ("nbytes", "object_bytes", "size", "tensor_bytes", "overhead_bytes")
+BYTE_COLUMNS = (
+    "nbytes",
+    "stored_bytes",
+    "object_bytes",
+    "size",
+    "tensor_bytes",
+    "overhead_bytes",
+    "alternate_bytes",
+)
 
 
 def readable(frame: pd.DataFrame) -> pd.DataFrame:
@@ -296,19 +364,3 @@ def readable(frame: pd.DataFrame) -> pd.DataFrame:
         if column in shown:
             shown[column] = [human_bytes(v) if v == v else "" for v in shown[column]]
     return shown
-
-
-def object_bytes_by_group(catalog: Catalog) -> dict[str, int]:
-    """Bytes of the stored object records per group, each record once (a pickle shared by
-    several groups' leaves counts for the first of them): they add up to the files'
-    ``object_bytes``."""
-    owner: dict[tuple[str, int, int], str] = {}
-    for entry in catalog.objects():
-        for chunk in entry.chunks:
-            record = chunk.record
-            if record is not None:
-                owner.setdefault((record.file, record.offset, record.length), entry.group)
-    totals: dict[str, int] = defaultdict(int)
-    for (_, _, length), group in owner.items():
-        totals[group] += length
-    return dict(totals)

@@ -1,12 +1,12 @@
 """Bytes on disk of several checkpoints side by side: by group, by dtype, and framing overhead.
 
-Built from each catalog and one size lookup per file; no tensor bytes are read.
+Built from each catalog and one size lookup per file (:func:`byte_account`, the one count of
+files and bytes every report shares); no tensor bytes are read.
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,9 +16,9 @@ from .source import Source, open_source
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..catalog.model import Catalog
+    from ..catalog.accounting import ByteAccount
 
-__all__ = ["CATEGORIES", "GROUP_CATEGORIES", "category", "compare_sizes"]
+__all__ = ["CATEGORIES", "GROUP_CATEGORIES", "category", "byte_account", "compare_sizes"]
 
 #: The columns group bytes are summed into, in display order.
 CATEGORIES = ("model", "optim", "train", "other")
@@ -72,6 +72,16 @@ def category(group: str, extra: Mapping[str, str] | None = None) -> str:
     return "other"
 
 
+def byte_account(source: Source) -> ByteAccount:
+    """The files and bytes of an opened checkpoint (one size look-up for all its files): the
+    numbers ``inspect``, ``summary()``, the reprs and :func:`compare_sizes` all report."""
+    from ..catalog.accounting import account_bytes, counted_files
+
+    data_files, metadata_files = counted_files(source.catalog)
+    sizes = source.storage.sizes([*data_files, *metadata_files])
+    return account_bytes(source.catalog, sizes)
+
+
 def compare_sizes(
     *sources: str | Source,
     labels: Sequence[str] | None = None,
@@ -80,14 +90,17 @@ def compare_sizes(
 ) -> pd.DataFrame:
     """One row per checkpoint: bytes on disk, split by category and by dtype, and overhead.
 
-    ``size`` is every file the checkpoint consists of (data files plus DCP ``.metadata``)
-    and equals ``model + optim + train + other + overhead_bytes + metadata_bytes``: group
-    columns hold stored tensor bytes plus object records (a pickle shared by groups of several
-    categories counts as ``other``), ``overhead_bytes`` is framing in data files (zip headers,
-    pickles around tensors, safetensors headers), ``metadata_bytes`` the index files. Dtype
-    columns (``float32``…) hold stored tensor bytes; ``ratio`` is ``size`` over the first row's.
-    Group names map to categories by :data:`GROUP_CATEGORIES`; ``categories`` adds
-    ``{group: category}`` entries.
+    ``size`` is every file the checkpoint consists of (data files plus metadata such as DCP
+    ``.metadata``) and equals ``model + optim + train + other + overhead_bytes +
+    metadata_bytes``. Bytes are counted per stored record, each once however many entries view
+    it (shared storages, tied weights, tensor views): group columns hold those tensor and object
+    records (one viewed by groups of several categories counts as ``other``), ``tensor_bytes``
+    and ``object_bytes`` their totals, ``overhead_bytes`` the framing in data files (zip
+    headers, pickles around tensors, safetensors headers; never negative), ``metadata_bytes``
+    the index files. ``alternate_bytes`` names what alternate views (Megatron's ``stacked.*``)
+    re-expose: bytes other groups hold, not added again. Dtype columns (``float32``…) hold
+    stored tensor bytes; ``ratio`` is ``size`` over the first row's. Group names map to
+    categories by :data:`GROUP_CATEGORIES`; ``categories`` adds ``{group: category}`` entries.
     """
     import pandas as pd
 
@@ -114,61 +127,33 @@ def compare_sizes(
 
 
 def _sizes(source: Source, extra: Mapping[str, str] | None) -> dict[str, Any]:
-    from ..catalog.tables import files_table
-
-    catalog, storage = source.catalog, source.storage
-    files = files_table(catalog, storage.sizes(catalog.files))
-    missing = files.loc[files["size"].isna(), "file"].tolist()
+    account = byte_account(source)
+    missing = [name for name in account.missing if name in account.data_files]
     if missing:
-        raise MissingFileError(f"{storage.describe(missing[0])}: no such file")
-    metadata_names = list(catalog.facts.metadata_files)
-    metadata_sizes = storage.sizes(metadata_names) if metadata_names else {}
-    metadata_bytes = sum(size or 0 for size in metadata_sizes.values())
-    by_category, by_dtype, tensor_bytes, object_bytes = _stored_bytes(catalog, extra)
-    data_bytes = int(files["size"].sum())
+        raise MissingFileError(f"{source.storage.describe(missing[0])}: no such file")
     return {
-        "format": catalog.format,
-        "files": len(files) + len(metadata_names),
-        "records": int(files["records"].sum()),
-        "size": data_bytes + metadata_bytes,
-        **by_category,
-        "tensor_bytes": tensor_bytes,
-        "object_bytes": object_bytes,
-        "overhead_bytes": data_bytes - tensor_bytes - object_bytes,
-        "metadata_bytes": metadata_bytes,
-        "dtypes": by_dtype,
+        "format": source.catalog.format,
+        "files": len(account.files),
+        "records": account.records,
+        "size": account.size,
+        **_by_category(account, extra),
+        "tensor_bytes": account.tensor_bytes,
+        "object_bytes": account.object_bytes,
+        "overhead_bytes": account.overhead_bytes,
+        "metadata_bytes": account.metadata_bytes,
+        "alternate_bytes": account.alternate_bytes,
+        "dtypes": dict(account.by_dtype),
     }
 
 
-def _stored_bytes(
-    catalog: Catalog, extra: Mapping[str, str] | None
-) -> tuple[dict[str, int], dict[str, int], int, int]:
-    """``(bytes by category, tensor bytes by dtype, tensor bytes, object bytes)`` the records
-    of ``catalog`` hold."""
+def _by_category(account: ByteAccount, extra: Mapping[str, str] | None) -> dict[str, int]:
+    """Stored bytes per category: a record every viewer of which is in one category counts
+    there, one viewed from groups of several categories counts as ``other``."""
     by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-    by_dtype: dict[str, int] = defaultdict(int)
-    tensor_bytes = 0
-    # Object records may be shared by many leaves (one data.pkl per torch.save file): count
-    # each once, under the category of every entry that shares it if they agree.
-    shared: dict[tuple[str, int, int], set[str]] = {}
-    for entry in catalog.entries.values():
-        cat = category(entry.group, extra)
-        for chunk in entry.chunks:
-            record = chunk.record
-            if record is None:
-                continue
-            if entry.kind == "tensor":
-                nbytes = chunk.numel * entry.dtype.itemsize
-                by_category[cat] += nbytes
-                by_dtype[entry.dtype.name] += nbytes
-                tensor_bytes += nbytes
-            else:
-                shared.setdefault((record.file, record.offset, record.length), set()).add(cat)
-    object_bytes = 0
-    for (_, _, length), cats in shared.items():
-        by_category[cats.pop() if len(cats) == 1 else "other"] += length
-        object_bytes += length
-    return by_category, dict(by_dtype), tensor_bytes, object_bytes
+    for (groups, _kind), nbytes in account.shares.items():
+        cats = {category(group, extra) for group in groups}
+        by_category[cats.pop() if len(cats) == 1 else "other"] += nbytes
+    return by_category
 
 
 def _labels(sources: Sequence[Any], ckpts: list[Source]) -> list[str]:

@@ -17,26 +17,43 @@ __all__ = ["diff_json", "inspect_json", "sizes_json", "stats_csv", "stats_json",
 
 def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
     """The ``inspect --json`` document, built from the catalog alone (no pandas, no torch):
-    the summary the text output shows, then the ``top`` largest tensors (all when None)."""
+    the summary the text output shows (files and bytes from
+    :func:`~ckptkit.ops.sizes.byte_account`, as every rendering counts them), then the ``top``
+    largest stored tensors (all tensors, alternate views included, when None)."""
+    from ..ops.sizes import byte_account
+
     catalog = ckpt.catalog
-    sizes = ckpt.storage.sizes(catalog.files)
+    account = byte_account(ckpt)
+    alternates = set(account.alternate_groups)
     tensors = catalog.tensors()
     model = [e for e in tensors if e.group == "model"]
     groups: dict[str, dict[str, int]] = {}
     for entry in catalog.entries.values():
-        totals = groups.setdefault(entry.group, {"tensors": 0, "objects": 0, "nbytes": 0})
+        totals = groups.setdefault(
+            entry.group,
+            {"tensors": 0, "objects": 0, "nbytes": 0, "stored_bytes": 0, "object_bytes": 0},
+        )
         totals["tensors" if entry.kind == "tensor" else "objects"] += 1
         totals["nbytes"] += entry.nbytes if entry.kind == "tensor" else 0
+    for group, owned in account.by_group.items():
+        groups[group]["stored_bytes"] = owned.tensor_bytes
+        groups[group]["object_bytes"] = owned.object_bytes
     if top is not None:
-        tensors = sorted(tensors, key=lambda e: e.nbytes, reverse=True)[: max(top, 0)]
+        stored = [e for e in tensors if e.group not in alternates]
+        tensors = sorted(stored, key=lambda e: e.nbytes, reverse=True)[: max(top, 0)]
     return {
         "format": catalog.format,
         "url": ckpt.url,
         "summary": {
             "tensors": len(catalog.tensors()),
             "objects": len(catalog.objects()),
-            "files": len(catalog.files),
-            "bytes_on_disk": sum(size or 0 for size in sizes.values()),
+            "files": len(account.files),
+            "bytes_on_disk": account.size,
+            "tensor_bytes": account.tensor_bytes,
+            "object_bytes": account.object_bytes,
+            "overhead_bytes": account.overhead_bytes,
+            "metadata_bytes": account.metadata_bytes,
+            "alternate_groups": list(account.alternate_groups),
             "parameters": sum(e.numel for e in model or catalog.tensors()),
             "parameters_counted": "model" if model else "all tensors",
             "groups": groups,
@@ -52,7 +69,11 @@ def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
             for e in tensors
         ],
         "objects": [{"key": e.key, "nbytes": e.nbytes} for e in catalog.objects()],
-        "files": [{"file": f, "size": sizes.get(f)} for f in catalog.files],
+        "files": [
+            {"file": name, "kind": kind, "size": account.sizes.get(name)}
+            for kind, names in (("data", account.data_files), ("metadata", account.metadata_files))
+            for name in names
+        ],
     }
 
 

@@ -125,6 +125,7 @@ _NON_DTYPE_COLUMNS = {
     "object_bytes",
     "overhead_bytes",
     "metadata_bytes",
+    "alternate_bytes",
 }
 
 

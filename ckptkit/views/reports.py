@@ -82,27 +82,32 @@ def sizes_text(frame: pd.DataFrame) -> str:
 
 
 def inspect_text(ckpt: Checkpoint, *, top: int = 10) -> str:
-    """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, bytes by group,
-    dtype and rank, and the ``top`` largest tensors."""
+    """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, where the bytes
+    on disk go, bytes by group, dtype and rank, and the ``top`` largest stored tensors (not the
+    alternate views of :attr:`~ckptkit.catalog.model.Facts.alternate_groups`)."""
     from ..catalog.tables import readable
-    from ..units import human_bytes
 
     summary = ckpt.summary()
     tensors = ckpt.tensors
+    stored = tensors[~tensors["group"].isin(summary.alternate_groups)]
     largest = readable(
-        tensors.nlargest(top, "nbytes")[
+        stored.nlargest(top, "nbytes")[
             ["key", "dtype", "shape", "nbytes", "n_chunks", "sharded_dims"]
         ]
     )
     by_group = readable(summary.by_group)
     by_rank = readable(summary.by_rank)
+    note = [summary.alternates_text] if summary.alternate_groups else []
     lines = [
+        *([summary.warning] if summary.warning else []),  # first: never missed
         f"{ckpt.format} checkpoint {ckpt.url}",
-        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {summary.files} files, "
-        f"{human_bytes(summary.total_bytes)} on disk, {summary.parameters_text}",
+        f"  {len(tensors)} tensors, {len(ckpt.catalog.objects())} objects, {summary.files_text}, "
+        f"{summary.parameters_text}",
+        f"  stored: {summary.bytes_text}",
         "",
         "by group:",
         by_group.to_string(),
+        *note,
         "",
         "by dtype:",
         readable(summary.by_dtype).to_string(),
