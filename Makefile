@@ -18,16 +18,17 @@ NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
 SAMPLE     := build/sample_ckpt
 NB_OUT     := build/notebooks
 
-.PHONY: help venv demo lint format test bench clean
+.PHONY: help venv demo lint format test test-fast bench clean
 
 help:
-	@echo "make demo    build .venv, write + inspect a sample checkpoint, run notebooks to $(NB_OUT)/"
-	@echo "make test    lint, then pytest tests/ and the notebooks (nbval)"
-	@echo "make lint    ruff check + ruff format --check"
-	@echo "make format  ruff format + ruff check --fix"
-	@echo "make bench   run benchmarks/bench_*.py"
-	@echo "make venv    (re)build $(VENV) (TORCH_SPEC=$(TORCH_SPEC))"
-	@echo "make clean   remove build/, $(VENV) and caches"
+	@echo "make demo       build .venv, write + inspect a sample checkpoint, run notebooks to $(NB_OUT)/"
+	@echo "make test       lint, then pytest tests/ and the notebooks (nbval): the full suite, as CI"
+	@echo "make test-fast  lint, then pytest tests/ without notebooks, rank jobs, browser, slow"
+	@echo "make lint       ruff check + ruff format --check"
+	@echo "make format     ruff format + ruff check --fix"
+	@echo "make bench      run benchmarks/bench_*.py"
+	@echo "make venv       (re)build $(VENV) (TORCH_SPEC=$(TORCH_SPEC))"
+	@echo "make clean      remove build/, $(VENV) and caches"
 
 venv: $(STAMP)
 
@@ -73,9 +74,18 @@ format: $(STAMP)
 
 # One pytest run: tests/ as usual, plus every notebook via nbval (--nbval-lax: fail
 # only on errors, don't compare outputs; --nbval-current-env: use this venv's python).
+# Every notebook runs there once on the sample; tests/test_notebooks.py runs them on the other
+# kinds of checkpoint. The full suite: CI runs this (.ci/run).
 test: lint
 	$(BIN)/python -m pytest tests $(if $(NOTEBOOKS),notebooks) \
 		--nbval-lax --nbval-current-env --nbval-cell-timeout=600 $(PYTEST_ARGS)
+
+# The fast lane: tests/ without the categories tests/conftest.py marks (CATEGORIES; see
+# tests/README.md): no notebook kernels, no rank jobs, no browser, nothing slow. nbval is not
+# loaded (it is not needed here, and importing it costs seconds).
+FAST_MARKERS ?= not (notebooks or ranks or browser or slow)
+test-fast: lint
+	$(BIN)/python -m pytest tests -p no:nbval -m '$(FAST_MARKERS)' $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@if [ -f benchmarks/run_all.py ]; then \

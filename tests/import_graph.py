@@ -8,6 +8,7 @@ on the same graph.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -41,10 +42,16 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    """Every ckptkit module → the ckptkit modules it imports."""
+    """Every ckptkit module → the ckptkit modules it imports (a fresh copy each call)."""
+    return {module: set(targets) for module, targets in _parsed_graph().items()}
+
+
+@functools.cache
+def _parsed_graph() -> dict[str, frozenset[str]]:
+    """The graph, parsed once per process: the layering tests ask for it ~100 times."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {module_name(p) for p in paths}
-    return {module_name(p): imports_of(p, modules) for p in paths}
+    return {module_name(p): frozenset(imports_of(p, modules)) for p in paths}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

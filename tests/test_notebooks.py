@@ -1,10 +1,12 @@
 """The notebooks as tutorials on real checkpoints, and the facts about the sample they show.
 
-Every notebook runs (papermill, in a fresh kernel, from an unrelated working directory) on the
-sample and on two other real checkpoints: a DCP written by torch in this session (DTensors
-sharded along columns, no optimizer) and an OLMo checkpoint from tests/fixtures. Each run must
-complete and its outputs must name the checkpoint's own keys, never the sample's. The
-assertions the notebooks used to make about the sample live below, on the same sample.
+Each notebook is executed once per kind of checkpoint. On the sample (its default) nbval runs
+it in ``make test`` (``pytest tests notebooks --nbval-lax``, see notebooks/conftest.py); here
+papermill runs it, in a fresh kernel from an unrelated working directory, on two other real
+checkpoints: a DCP written by torch in this session (DTensors sharded along columns, no
+optimizer) and an OLMo checkpoint from tests/fixtures. Each run must complete and its outputs
+must name the checkpoint's own keys, never the sample's. What the notebooks show about the
+sample is asserted below directly in Python, on the same sample (``test_sample_*``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,12 +84,12 @@ def column_sharded(written) -> Path:
     return written("column_sharded").path
 
 
-# The sample runs repeat what nbval runs in CI (`pytest tests notebooks --nbval-lax`): slow.
-@pytest.fixture(params=[pytest.param("sample", marks=pytest.mark.slow), "dcp", "olmo"])
-def target(request, samples) -> tuple[str, Path | None]:
-    """(label, checkpoint path); the sample is None: the notebook's own default."""
-    if request.param == "sample":
-        return "sample", None
+# No "sample" target: nbval runs every notebook on the sample in `make test`, and the
+# test_sample_* tests below assert what those runs show. (`samples`: kernels inherit the
+# session's workspace, so their scratch directories are removed with it.)
+@pytest.fixture(params=["dcp", "olmo"])
+def target(request, samples) -> tuple[str, Path]:
+    """(label, checkpoint path) of a checkpoint other than the sample."""
     if request.param == "dcp":
         return "dcp", request.getfixturevalue("column_sharded")
     return "olmo", OLMO
@@ -94,13 +97,12 @@ def target(request, samples) -> tuple[str, Path | None]:
 
 def _check_keys(text: str, label: str, expected: str) -> None:
     assert expected in text, f"{label}: {expected!r} is not in the notebook's outputs"
-    if label != "sample":
-        leaked = [key for key in SAMPLE_ONLY if key in text]
-        assert not leaked, f"{label}: the outputs mention the sample's keys {leaked}"
+    leaked = [key for key in SAMPLE_ONLY if key in text]
+    assert not leaked, f"{label}: the outputs mention the sample's keys {leaked}"
 
 
-def _open(path: Path | None) -> ckptkit.Checkpoint:
-    return ckptkit.open(str(path or sample_checkpoint()))
+def _open(path: Path) -> ckptkit.Checkpoint:
+    return ckptkit.open(str(path))
 
 
 def test_01_inspect(target, tmp_path):
@@ -124,7 +126,7 @@ def test_03_diff_tensors(target, tmp_path):
     label, path = target
     if label == "olmo":  # two checkpoints: the same step saved by two checkpointers
         text = run("03_diff_tensors", tmp_path, checkpoint=OLMO_LEGACY, other=path)
-    else:  # the sample's two steps, or the checkpoint against its own copy
+    else:  # the checkpoint against its own copy
         text = run("03_diff_tensors", tmp_path, checkpoint=path)
     ckpt = _open(path)
     real = set(ckpt.tensors["key"])
@@ -173,17 +175,15 @@ def test_07_audit(target, tmp_path):
 
 
 def test_08_layouts(target, tmp_path):
+    """The checkpoint and its own unsharded copy (the notebook's own pair, OLMo's legacy and
+    torch_new checkpoints, is nbval's run; see test_olmo_layouts_hold_the_same_state)."""
     label, path = target
-    if label == "sample":  # the notebook's own pair: OLMo's legacy and torch_new checkpoints
-        text = run("08_olmo_layouts", tmp_path)
-        path, second = OLMO_LEGACY, OLMO
-    else:  # the checkpoint and its own unsharded copy
-        second = tmp_path / "unsharded"
-        ckptkit.unshard(str(path), str(second), progress=False)
-        text = run("08_olmo_layouts", tmp_path, first=path, second=second)
+    second = tmp_path / "unsharded"
+    ckptkit.unshard(str(path), str(second), progress=False)
+    text = run("08_olmo_layouts", tmp_path, first=path, second=second)
     first = ckptkit.open(str(path))
     common = first.tensors.merge(_open(second).tensors[["key"]], on="key")
-    _check_keys(text, "olmo" if label == "sample" else label, largest_common(common))
+    _check_keys(text, label, largest_common(common))
     statuses = re.search(r"status\n((?:\w+\s+\d+\n?)+)", text)
     assert statuses and set(re.findall(r"(\w+)\s+\d+", statuses[1])) == {"equal"}
 
@@ -281,6 +281,10 @@ def test_sample_inspect(sample):
     text = ckptkit.inspect_text(ckpt, top=5)
     assert text.startswith(f"dcp checkpoint {sample}\n  {len(tensors)} tensors, 19 objects")
     assert ".qkv.weight" in text  # the largest tensors: 144 x 48
+    # The tensor the notebook picks (most pieces, then largest) is among those it prints.
+    key = largest(ckpt, by_chunks=True)
+    assert key in text and (ckpt.chunks["key"] == key).sum() == 2
+    assert ckptkit.detect(str(sample)).format == ckpt.format == "dcp"
 
 
 def test_sample_sizes(samples, sample, tmp_path):
@@ -302,6 +306,11 @@ def test_sample_sizes(samples, sample, tmp_path):
     assert only["optim"] == only["train"] == 0
     text = ckptkit.sizes_text(sizes)
     assert "ws4" in text and "x" in text
+    # The notebook's table shows the sample's tensor bytes; its safetensors copy is all equal.
+    total = int(ckptkit.open(str(sample)).tensors["nbytes"].sum())
+    assert sizes.loc["ws2", "tensor_bytes"] == total
+    same = ckptkit.diff(str(sample), str(tmp_path / "st"))
+    assert set(same["status"]) == {"equal"}
 
 
 def test_sample_diff(samples, sample, tmp_path):
@@ -328,6 +337,8 @@ def test_sample_diff(samples, sample, tmp_path):
     assert set(check["status"]) == {"equal"} and len(check) == len(ckptkit.open(str(sample)))
     text = ckptkit.diff_text(d)
     assert "DIFFERENT" in text and "model.embed.weight" in text
+    real = set(ckptkit.open(str(sample)).tensors["key"])
+    assert len({key for key in real if key in text}) >= 5
 
 
 def test_sample_convert(sample, tmp_path):
@@ -361,6 +372,63 @@ def test_sample_convert(sample, tmp_path):
     assert train == full["train"]
 
 
+def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted key, leaf) of a nested state dict, as notebook 04 flattens one."""
+    if isinstance(tree, dict):
+        for name, value in tree.items():
+            yield from _flatten(value, f"{prefix}{name}.")
+    elif isinstance(tree, list | tuple) and any(isinstance(v, torch.Tensor) for v in tree):
+        for i, value in enumerate(tree):
+            yield from _flatten(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def test_sample_unshard_round_trips_through_dcp(sample, tmp_path):
+    """04: every tensor of model.pt equals ckpt.read, and comes back equal through DCP (model.pt
+    converted to DCP, read back by torch's dcp_to_torch_save)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ckpt = ckptkit.open(str(sample))
+    n = int((ckpt.tensors["group"] == "model").sum())
+    ckptkit.unshard(ckpt, str(tmp_path / "torch"), to="torch", progress=False)
+    state = torch.load(tmp_path / "torch" / "model.pt", weights_only=True, mmap=True)
+    tensors = {k: v for k, v in _flatten(state, "model.") if isinstance(v, torch.Tensor)}
+    assert len(tensors) == n
+    assert sum(torch.equal(v, ckpt.read(k)) for k, v in tensors.items()) == n
+    model_pt = tmp_path / "torch" / "model.pt"
+    ckptkit.convert(str(model_pt), str(tmp_path / "dcp"), to="dcp", groups="model", progress=False)
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "roundtrip.pt"))
+    roundtrip = dict(_flatten(torch.load(tmp_path / "roundtrip.pt", weights_only=True)))
+    assert sum(torch.equal(v, roundtrip[k]) for k, v in tensors.items()) == n
+
+
+def test_sample_from_s3(sample, s3, tmp_path):
+    """05: the sample uploaded to S3 names and reads its largest tensor as the local copy does,
+    and unsharding it from S3 writes files identical to unsharding the local copy."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"ckptkit-sample-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    url = f"s3://{bucket}/run1/{sample.name}"
+    try:
+        fs.put(str(sample), url, recursive=True)
+        remote, local = ckptkit.open(url), ckptkit.open(str(sample))
+        key = largest(local)
+        assert largest(remote) == key and torch.equal(remote.read(key), local.read(key))
+        result = ckptkit.unshard(remote, str(tmp_path / "from_s3"), progress=False)
+        ckptkit.unshard(str(sample), str(tmp_path / "from_local"), progress=False)
+        names = [f.name for f in result.files]
+        assert names and all(
+            (tmp_path / "from_s3" / name).read_bytes()
+            == (tmp_path / "from_local" / name).read_bytes()
+            for name in names
+        )
+    finally:
+        fs.rm(bucket, recursive=True)
+
+
 def test_sample_browse(sample, tmp_path):
     """06: filters read nothing; a copy whose adapter was nudged differs there only."""
     from safetensors.torch import save_file
@@ -370,6 +438,13 @@ def test_sample_browse(sample, tmp_path):
     fc1 = ui.set_filter(r"blocks\.\d+\.fc1\.weight$", mode="regex")
     assert fc1 == ["model.blocks.0.fc1.weight", "model.blocks.1.fc1.weight"]
     assert ui.reads == []
+    # The tensor the notebook selects: the browser's statistics are torch's.
+    ui.set_filter("")
+    key = largest(ckpt, by_chunks=True)
+    stats, values = ui.select(key), ckpt.read(key).double()
+    expected = (values.min(), values.max(), values.mean(), values.std(correction=0))
+    for name, value in zip(("min", "max", "mean", "std"), expected, strict=True):
+        assert stats[name] == pytest.approx(value.item(), rel=1e-6, abs=1e-9), (key, name)
     model_keys = ckpt.tensors.loc[ckpt.tensors["group"] == "model", "key"]
     weights = {key.removeprefix("model."): ckpt.read(key) for key in model_keys}
     weights["adapter.up.weight"] = (weights["adapter.up.weight"].float() + 0.01).bfloat16()
@@ -387,6 +462,7 @@ def test_sample_browse(sample, tmp_path):
 def test_sample_audit(sample, tmp_path):
     """07: the damage the notebook does (half of the largest file cut, one bit flipped in the
     largest record of another) is found, each problem naming its file and key."""
+    assert ckptkit.verify(str(sample)).empty  # the notebook's "no problems found"
     ckpt = ckptkit.open(str(sample))
     bad = tmp_path / "bad"
     shutil.copytree(sample, bad)
@@ -422,3 +498,10 @@ def test_olmo_layouts_hold_the_same_state():
     assert new.config["sharded_checkpointer"] == "torch_new"
     report = ckptkit.diff(legacy, new, keys=["model.*", "optim.state.*"])
     assert (report["status"] == "equal").all() and len(report) == 116
+    # The notebook's own comparison: every group but train, and the largest common tensor.
+    groups = sorted(set(legacy.tensors["group"]) & set(new.tensors["group"]) - {"train"})
+    statuses = ckptkit.diff(legacy, new, keys=[f"{g}.*" for g in groups])["status"]
+    assert groups and set(statuses) == {"equal"}
+    common = legacy.tensors.merge(new.tensors[["key"]], on="key")
+    key = largest_common(common)
+    assert (legacy.chunks["key"] == key).any() and (new.chunks["key"] == key).any()
