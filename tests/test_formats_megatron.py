@@ -300,7 +300,7 @@ def test_integrity_json_is_checked(tmp_path):
     (copy / "integrity.json").write_text(json.dumps(digests))
     assert ckptkit.verify(str(copy)).empty
     data = bytearray((copy / "common.pt").read_bytes())
-    data[40] ^= 0xFF  # inside the first zip member's name: no CRC covers it
+    data[50] ^= 0xFF  # alignment padding after the first local header: no CRC covers it
     (copy / "common.pt").write_bytes(bytes(data))
     problems = ckptkit.verify(str(copy))
     flagged = problems[(problems["file"] == "common.pt") & (problems["problem"] == "checksum")]

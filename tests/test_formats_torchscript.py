@@ -283,6 +283,8 @@ def test_a_code_member_inflating_past_its_declared_size_is_corrupt(archives, tmp
     at = _central_entry(blob, name.encode())
     size = int.from_bytes(blob[at + 24 : at + 28], "little")
     blob[at + 24 : at + 28] = (size - 10).to_bytes(4, "little")
+    local = int.from_bytes(blob[at + 42 : at + 46], "little")  # the member's local header
+    blob[local + 22 : local + 26] = (size - 10).to_bytes(4, "little")  # both headers agree
     path.write_bytes(bytes(blob))
     with pytest.raises(CorruptRecordError, match=f"{name}.*inflates to more than"):
         ckptkit.open(str(path))

@@ -1,12 +1,19 @@
 """Decoding one record's bytes: torch.save zip archives, zstd frames, safetensors headers.
 
 Pure functions over bytes already fetched; :mod:`ckptkit.reading` decides what to fetch.
+
+A zip must give one answer whoever reads it: ``torch.load`` (miniz) takes the first of two
+members of one name and trusts the central directory, Python's ``zipfile`` compares each local
+header's name with it. So a name listed twice, a local header disagreeing with its central
+directory entry (name, compression, sizes, CRC-32) and members overlapping each other or the
+directory are refused (:class:`CorruptRecordError`, naming the file and the member).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 import struct
 import zlib
 from collections.abc import Mapping
@@ -33,6 +40,8 @@ __all__ = [
     "end_record",
     "central_directory",
     "located",
+    "local_header_range",
+    "check_member_spans",
     "refuse_compressed",
     "ZipIndex",
     "read_safetensors_headers",
@@ -100,12 +109,16 @@ def zip_members(buf: memoryview, source: str) -> dict[str, Member]:
     """Members of a zip archive held in ``buf``, from its central directory (zip64 aware)."""
     count, cd_offset, cd_size = end_record(bytes(buf[-_TAIL:]), max(0, len(buf) - _TAIL), source)
     members: dict[str, Member] = {}
+    local_offsets: dict[str, int] = {}
     for name, local, member in central_directory(
         bytes(buf[cd_offset : cd_offset + cd_size]), count, source
     ):
-        members[name] = located(member, bytes(buf[local : local + 30]), local, name, source)
+        start, end = local_header_range(local, name)
+        members[name] = located(member, bytes(buf[start:end]), local, name, source)
+        local_offsets[name] = local
         if members[name].offset + member.span > len(buf):
             raise CorruptRecordError(f"{source}: zip member {name!r} extends past the record's end")
+    check_member_spans(members, local_offsets, cd_offset, source)
     return members
 
 
@@ -139,6 +152,7 @@ def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, in
     compressed members are listed with their method, to be refused by whatever reads them."""
     buf = bytes(buf)  # a large directory may arrive as a memory-mapped view
     members = []
+    names: set[str] = set()
     pos = 0
     try:
         for _ in range(count):
@@ -155,6 +169,12 @@ def central_directory(buf: bytes, count: int, source: str) -> list[tuple[str, in
                 raise CorruptRecordError(
                     f"{source}: stored zip member {name!r} has {csize} bytes but says {usize}"
                 )
+            if name in names:
+                raise CorruptRecordError(
+                    f"{source}: zip member {name!r} is listed twice (torch.load reads the first, "
+                    "other readers the last)"
+                )
+            names.add(name)
             compressed = None if method == 0 else csize
             members.append((name, local, Member(0, usize, crc, method, compressed)))
             pos += 46 + name_len + extra_len + comment_len
@@ -190,10 +210,68 @@ def _data_offset(header: bytes, local: int, name: str, source: str) -> int:
     return local + 30 + name_len + extra_len
 
 
+#: Local header flag: CRC-32 and sizes follow the data (torch writes 0 in the header then).
+_DATA_DESCRIPTOR = 0x0008
+#: A local header size of this says "in the zip64 extra field".
+_ZIP64_MARK = 0xFFFFFFFF
+
+
+def local_header_range(local: int, name: str) -> tuple[int, int]:
+    """The bytes to read at a member's local header ``local``: its 30 fixed bytes and room for
+    the name the central directory gives it (so the two can be compared)."""
+    return local, local + 30 + len(name.encode())
+
+
 def located(member: Member, header: bytes, local: int, name: str, source: str) -> Member:
-    """``member`` (from the central directory) with its data offset, from its local header."""
+    """``member`` (from the central directory) with its data offset, from its local header
+    ``header`` (read with :func:`local_header_range`), which must agree with it: the same name,
+    compression method, CRC-32 and sizes (0 where a data descriptor follows the data)."""
     offset = _data_offset(header, local, name, source)
+    flags, method, crc, csize, usize, name_len = struct.unpack_from("<6xHH4xIIIH", header)
+    local_name = bytes(header[30 : 30 + name_len]).decode("utf-8", "replace")
+    descriptor = bool(flags & _DATA_DESCRIPTOR)
+    disagreements = [
+        what
+        for what, ok in (
+            ("name", local_name == name and len(header) >= 30 + name_len),
+            ("compression method", method == member.method),
+            ("CRC-32", crc == member.crc32 or (descriptor and crc == 0)),
+            ("compressed size", _size_agrees(csize, member.span, descriptor)),
+            ("size", _size_agrees(usize, member.size, descriptor)),
+        )
+        if not ok
+    ]
+    if disagreements:
+        raise CorruptRecordError(
+            f"{source}: zip member {name!r}: its local header disagrees with the central "
+            f"directory ({', '.join(disagreements)}; readers differ on which to trust)"
+        )
     return Member(offset, member.size, member.crc32, member.method, member.compressed_size)
+
+
+def _size_agrees(local: int, central: int, descriptor: bool) -> bool:
+    """A local header size says the same as the central directory, or defers: 0 before a data
+    descriptor, the zip64 mark (the size is in the extra field; every reader takes it from the
+    central directory)."""
+    return local in (central, _ZIP64_MARK) or (descriptor and local == 0)
+
+
+def check_member_spans(
+    members: Mapping[str, Member], local_offsets: Mapping[str, int], directory: int, source: str
+) -> None:
+    """Members may not overlap each other or the central directory at ``directory``: each
+    spans its local header to the end of its data (offsets within one archive or file)."""
+    spans = sorted(
+        (local_offsets[name], member.offset + member.span, name) for name, member in members.items()
+    )
+    for (_, end, name), (start, _, following) in zip(
+        spans, [*spans[1:], (directory, directory, "the central directory")], strict=True
+    ):
+        if end > start:
+            raise CorruptRecordError(
+                f"{source}: zip member {name!r} overlaps "
+                f"{following if following.startswith('the ') else repr(following)}"
+            )
 
 
 def refuse_compressed(member: Member, name: str, source: str) -> Member:
@@ -282,7 +360,11 @@ def read_zip_indexes(
         listed[file] = central_directory(directory, count, storage.describe(file))
     heads = iter(
         storage.read_ranges(
-            [(file, local, local + 30) for file in files for _, local, _ in listed[file]]
+            [
+                (file, *local_header_range(local, name))
+                for file in files
+                for name, local, _ in listed[file]
+            ]
         )
     )
     indexes = {}
@@ -293,6 +375,8 @@ def read_zip_indexes(
             members[name] = located(member, next(heads), local, name, source)
             if members[name].offset + member.span > sizes[file]:
                 raise CorruptRecordError(f"{source}: zip member {name!r} extends past the end")
+        local_offsets = {name: local for name, local, _ in listed[file]}
+        check_member_spans(members, local_offsets, ends[file][1], source)
         pickles = [name for name in members if name.endswith("data.pkl")]
         if len(pickles) != 1:
             raise CorruptRecordError(
@@ -520,11 +604,32 @@ def parse_safetensors_header(raw: bytes, source: str) -> SafetensorsHeader:
     for name, spec in header.items():
         try:
             dt = dtypes.from_safetensors(spec["dtype"])
-            shape = tuple(int(s) for s in spec["shape"])
-            begin, end = (int(v) for v in spec["data_offsets"])
-            if min(shape, default=0) < 0:
-                raise ValueError(f"negative dimension in {list(shape)}")
+            shape = spec["shape"]
+            offsets = spec["data_offsets"]
+            begin, end = offsets
+            if not (_json_size(begin) and _json_size(end)):
+                raise ValueError(f"data_offsets {reprlib.repr(offsets)} are not byte offsets")
         except (KeyError, TypeError, ValueError, FormatError) as exc:
             raise CorruptRecordError(f"{source}: bad safetensors entry {name!r}: {exc}") from exc
-        tensors[name] = (dt, shape, begin, end)
+        tensors[name] = (dt, _safetensors_shape(shape, name, source), begin, end)
     return SafetensorsHeader(8 + len(raw), tensors, metadata)
+
+
+#: Dimensions and offsets of a safetensors header are below this (torch's sizes are int64).
+_SIZE_BOUND = 1 << 63
+
+
+def _json_size(value: Any) -> bool:
+    """A JSON integer from 0 below :data:`_SIZE_BOUND` (not a float, bool or string)."""
+    return type(value) is int and 0 <= value < _SIZE_BOUND
+
+
+def _safetensors_shape(shape: Any, name: str, source: str) -> tuple[int, ...]:
+    """A header's ``shape``: a list of sizes; anything else (``Infinity``, ``NaN``, negative,
+    fractional or past int64) is a :class:`FormatError` naming the file and tensor."""
+    if type(shape) is not list or not all(map(_json_size, shape)):
+        raise FormatError(
+            f"{source}: safetensors tensor {name!r} has shape {reprlib.repr(shape)}: dimensions "
+            "must be integers from 0 to 2**63-1"
+        )
+    return tuple(shape)

@@ -37,6 +37,8 @@ from ..storage import Storage
 from .detection import Detection, file_location
 from .parts import torch_save_files as torch_save
 
+__all__ = ["NAME", "SUFFIX", "INDEX_SUFFIX", "detect", "describe", "olmo_keys"]
+
 NAME = "safetensors"
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"

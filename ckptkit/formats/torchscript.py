@@ -10,11 +10,18 @@ which are buffers. Those code members are usually DEFLATE-compressed: the ones n
 (bounded by :func:`ckptkit.records.read_members`) and their class bodies read with :mod:`ast`,
 never executed. Tensor constants (``constants.pkl``) and non-tensor attributes are not in
 ``state_dict()`` and are left out.
+
+Parsing costs up to a kilobyte of memory per syntax token, so code is parsed only within bounds
+(:data:`MAX_CODE_BYTES` declared per member, checked before it is read; :data:`MAX_CODE_TOKENS`
+per member and :data:`MAX_ARCHIVE_CODE_TOKENS` per archive, counted before it is parsed):
+beyond them the archive is refused with a :class:`LimitExceededError` naming the member.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +47,34 @@ MAX_DEPTH = 200
 #: At most this many parameters, buffers and module visits in all (a module reached twice, e.g.
 #: tied, is walked twice as ``state_dict`` does: this bounds a hostile fan-out of shared modules).
 MAX_STEPS = 1 << 22
+#: A code member declaring more bytes than this is refused before it is read (TorchScript
+#: writes one member per Python module: kilobytes, a few hundred at most).
+MAX_CODE_BYTES = 1 << 20
+#: Syntax tokens (names, numbers, operators, newlines) a code member may have to be parsed:
+#: :mod:`ast` holds up to ~1 KB per token, so about 120 MB at most (real code: ~500 KB of it).
+MAX_CODE_TOKENS = 1 << 17
+#: Syntax tokens the code members of one archive may have in all (parsing stays within seconds).
+MAX_ARCHIVE_CODE_TOKENS = 1 << 20
+#: What :func:`code_tokens` counts: a word, any other visible character, a line break (at least
+#: one per syntax tree node, so the count bounds what parsing builds).
+_TOKEN = re.compile(rb"\w+|[^\w\s]|\n")
+
+__all__ = [
+    "NAME",
+    "MAX_DEPTH",
+    "MAX_STEPS",
+    "MAX_CODE_BYTES",
+    "MAX_CODE_TOKENS",
+    "MAX_ARCHIVE_CODE_TOKENS",
+    "ScriptObject",
+    "ScriptGlobals",
+    "ClassInfo",
+    "code_member",
+    "code_tokens",
+    "class_declarations",
+    "detect",
+    "describe",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,8 +240,25 @@ def code_member(qualified_name: str) -> str:
     return f"code/{module.replace('.', '/')}.py"
 
 
+def code_tokens(source_code: bytes, limit: int) -> int:
+    """The syntax tokens in ``source_code``, counted up to ``limit + 1`` (so the count costs
+    no more than the bound allows)."""
+    return sum(1 for _ in itertools.islice(_TOKEN.finditer(source_code), limit + 1))
+
+
 def class_declarations(source_code: bytes, source: str) -> dict[str, ClassInfo]:
-    """The classes a code member defines, read from its syntax tree (never executed)."""
+    """The classes a code member defines, read from its syntax tree (never executed); code
+    past :data:`MAX_CODE_BYTES` or :data:`MAX_CODE_TOKENS` is refused unparsed."""
+    if len(source_code) > MAX_CODE_BYTES:
+        raise LimitExceededError(
+            f"{source}: {len(source_code)} bytes of TorchScript code, more than the "
+            f"{MAX_CODE_BYTES} ckptkit parses"
+        )
+    if code_tokens(source_code, MAX_CODE_TOKENS) > MAX_CODE_TOKENS:
+        raise LimitExceededError(
+            f"{source}: TorchScript code of more than {MAX_CODE_TOKENS} tokens, more than "
+            "ckptkit parses"
+        )
     try:
         tree = ast.parse(source_code.decode("utf-8"), mode="exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
@@ -301,7 +353,21 @@ def _classes(storage: Storage, index: ZipIndex, root: ScriptObject) -> dict[str,
     missing = [m for m in members if index.prefix + m not in index.members]
     if missing:
         raise FormatError(f"{source}: no code member {index.prefix + missing[0]!r}")
+    for member in members:
+        size = index.any_member(member, source).size
+        if size > MAX_CODE_BYTES:
+            raise LimitExceededError(
+                f"{source}: code member {index.prefix + member!r} declares {size} bytes, "
+                f"more than the {MAX_CODE_BYTES} ckptkit parses"
+            )
     texts = read_members(storage, index, members)
+    # each member's own bound is checked as it is parsed; a count past it is past it already
+    tokens = sum(code_tokens(text, MAX_CODE_TOKENS) for text in texts.values())
+    if tokens > MAX_ARCHIVE_CODE_TOKENS:
+        raise LimitExceededError(
+            f"{source}: its code members hold more than {MAX_ARCHIVE_CODE_TOKENS} syntax tokens "
+            "in all, more than ckptkit parses"
+        )
     parsed = {
         member: class_declarations(text, f"{source} member {index.prefix + member!r}")
         for member, text in texts.items()

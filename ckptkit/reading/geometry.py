@@ -1,6 +1,10 @@
 """Where a tensor's elements lie: numpy views of decoded records, chunks placed in the whole
 tensor or cut into row-major bytes, and the checks that a tensor's chunks tile it before it is
-allocated. Pure numpy over bytes already fetched (torch only to hand back a tensor)."""
+allocated. Pure numpy over bytes already fetched (torch only to hand back a tensor).
+
+A view may use its bytes more than once (a stride of 0: ``torch.ones(1).expand(n)`` saves one
+element): its elements may reach :data:`BROADCAST_SLACK` bytes beyond the bytes its record
+holds, no more, so an 852-byte file cannot claim a terabyte of elements."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from ..decoding.records import TensorData
 from ..errors import LimitExceededError, MismatchError
 
 __all__ = [
+    "BROADCAST_SLACK",
     "allocate",
     "as_bytes",
     "check_coverage",
@@ -31,6 +36,11 @@ __all__ = [
     "tensor_from_numpy",
     "tiles_first_dim",
 ]
+
+
+#: Bytes a tensor's elements may exceed the bytes its record holds by (views reusing their
+#: bytes, such as a stride of 0); materialising one costs at most this much more than the record.
+BROADCAST_SLACK = 64 << 20
 
 
 # -- views of records --------------------------------------------------------------------
@@ -54,6 +64,7 @@ def strided_view(data: TensorData, source: str) -> np.ndarray:
     numel = math.prod(shape)
     if numel == 0:
         return np.empty(shape, dtype=np_dtype)
+    _check_reuse(numel * itemsize, data.buffer.nbytes, f"{source}: tensor {list(shape)}", stride)
     extent = data.storage_offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
     available = len(data.buffer) // itemsize
     if extent > available or data.storage_offset < 0 or min(stride, default=0) < 0:
@@ -73,9 +84,22 @@ def strided_view(data: TensorData, source: str) -> np.ndarray:
     )
 
 
+def _check_reuse(nbytes: int, held: int, what: str, stride: tuple[int, ...] | None) -> None:
+    """Raise :class:`LimitExceededError` when elements of ``nbytes`` bytes would be made from
+    ``held`` bytes of record with more than :data:`BROADCAST_SLACK` bytes to spare."""
+    if nbytes > held + BROADCAST_SLACK:
+        strides = f" with strides {list(stride)}" if stride is not None else ""
+        raise LimitExceededError(
+            f"{what}{strides} has {nbytes} bytes of elements over {held} bytes of record: a "
+            f"view reusing its bytes may reach at most {BROADCAST_SLACK} bytes beyond them"
+        )
+
+
 def chunk_view(chunk: Chunk, data: TensorData, entry: Entry, source: str) -> np.ndarray:
     """The chunk's elements viewed in its box's shape (a flat chunk: 1-D); a record holding
     another shape raises :class:`MismatchError`."""
+    nbytes = math.prod(data.shape) * data.dtype.itemsize
+    _check_reuse(nbytes, data.buffer.nbytes, f"{source}: {entry.key!r}", data.stride)
     view = strided_view(data, source)
     if chunk.flat:
         if view.size != chunk.numel:
@@ -177,17 +201,23 @@ def check_coverage(entry: Entry, chunks: list[Chunk]) -> None:
 
 def check_record_lengths(entry: Entry, chunks: list[Chunk]) -> None:
     """Refuse, before the tensor is allocated, a raw record shorter than the elements its
-    chunk's strides reach: the shape would announce bytes the files do not hold."""
+    chunk's strides reach (the shape would announce bytes the files do not hold), and a raw or
+    torch.save record whose chunk has more element bytes than :data:`BROADCAST_SLACK` past
+    the record's (a view reusing few bytes for many elements)."""
     itemsize = entry.dtype.itemsize
     for chunk in chunks:
         record = chunk.record
         if (
             record is None
-            or record.encoding is not Encoding.RAW
+            or record.encoding not in (Encoding.RAW, Encoding.TORCH_SAVE)
             or record.transform
             or not chunk.numel
         ):
             continue  # other records are checked against what they decode to
+        what = f"{entry.key!r}: the chunk at {list(chunk.offsets)} in {record.file!r}"
+        _check_reuse(chunk.numel * itemsize, record.length, what, record.stride)
+        if record.encoding is Encoding.TORCH_SAVE:
+            continue  # its layout is in the record, checked when decoded
         sizes = chunk.sizes
         stride = record.stride or row_major(sizes)
         reach = (

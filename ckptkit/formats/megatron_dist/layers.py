@@ -8,19 +8,32 @@ the stored chunk's shape, so each slice needs a record of its own: the archive's
 and ``data.pkl`` are read (by range, never the storage bytes) to find the tensor's storage
 member, and each slice becomes a RAW record over that member (its strides and offset taken
 from ``data.pkl``). The cost is three batched rounds of small range reads per checkpoint.
+
+The layer count is the metadata's claim: before a list per layer is made it is checked against
+the layers the records hold (each record's layers in distinct bytes of its storage), so a
+checkpoint claiming 10**10 layers over one record costs what that record costs.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from ...catalog.model import Chunk, Encoding, Entry, Record
 from ...decoding.pickle_limits import RECORD_LIMITS
-from ...decoding.records import Member, ZipIndex, central_directory, end_record, located
+from ...decoding.records import (
+    Member,
+    ZipIndex,
+    central_directory,
+    check_member_spans,
+    end_record,
+    local_header_range,
+    located,
+)
 from ...decoding.unpickler import TENSOR_GLOBALS, TensorRef, safe_loads
-from ...errors import CheckpointError, CorruptRecordError, FormatError
+from ...errors import CheckpointError, CorruptRecordError, FormatError, LimitExceededError
 from ...storage import Storage
 from ..parts.torch_save_files import tensor_record
 
@@ -29,6 +42,18 @@ STACKED = re.compile(r"(?:^|\.)layers\.(?!\d+(?:\.|$))")
 #: Bytes read from the end of a record to find its zip directory (torch.save archives have a
 #: handful of members: their directory is a few hundred bytes).
 _TAIL = 4096
+#: Layers a stacked tensor without elements (``[L, 0, …]``) may have: no bytes bound its count
+#: (Megatron models have at most a few hundred layers).
+MAX_EMPTY_LAYERS = 1 << 16
+
+__all__ = [
+    "STACKED",
+    "MAX_EMPTY_LAYERS",
+    "stacked_name",
+    "layer_key",
+    "layer_chunks",
+    "archive_pickles",
+]
 
 
 def stacked_name(key: str) -> bool:
@@ -80,7 +105,7 @@ def _layer_chunks(storage: Storage, stacked: list[Entry]) -> dict[str, list[tupl
     located = _locate(storage, records)
     out: dict[str, list[tuple[Chunk, ...]]] = {}
     for entry in stacked:
-        layers: list[list[Chunk]] = [[] for _ in range(entry.shape[0])]
+        layers: list[list[Chunk]] = [[] for _ in range(_layer_count(entry, located))]
         for chunk in entry.chunks:
             for layer, piece in _slices(entry, chunk, located):
                 layers[layer].append(piece)
@@ -88,11 +113,35 @@ def _layer_chunks(storage: Storage, stacked: list[Entry]) -> dict[str, list[tupl
     return out
 
 
-def _slices(
-    entry: Entry, chunk: Chunk, located: dict[int, _Located]
-) -> Iterator[tuple[int, Chunk]]:
-    """``(layer, chunk)`` for each layer ``chunk`` spans: its box without the layer axis and a
-    RAW record over the layer's elements."""
+def _layer_count(entry: Entry, located: dict[int, _Located]) -> int:
+    """``entry.shape[0]`` once checked against the bytes: every chunk lies in the shape, every
+    record holds its chunk's layers in distinct bytes of its storage, and a tensor with
+    elements claims no more layers than its records hold (each layer needs one). Nothing the
+    claimed count says is allocated or looped over before that."""
+    held = 0
+    for chunk in entry.chunks:
+        _check_box(entry, chunk)
+        found = _found(chunk, located)
+        if found is not None:
+            _check_layers_held(entry, chunk, found)
+            held += chunk.sizes[0]
+    layers = entry.shape[0]
+    elements_per_layer = math.prod(entry.shape[1:])
+    if elements_per_layer and layers > held:
+        raise FormatError(
+            f"{entry.key!r}: shape {list(entry.shape)} claims {layers} layers, more than its "
+            f"records hold ({held} layer slices in all)"
+        )
+    if not elements_per_layer and layers > MAX_EMPTY_LAYERS:
+        raise LimitExceededError(
+            f"{entry.key!r}: shape {list(entry.shape)} claims {layers} layers without "
+            f"elements, more than the {MAX_EMPTY_LAYERS} allowed"
+        )
+    return layers
+
+
+def _check_box(entry: Entry, chunk: Chunk) -> None:
+    """A chunk has the tensor's dimensions and lies inside its layers."""
     if (
         len(chunk.offsets) != len(entry.shape)
         or len(chunk.sizes) != len(entry.shape)
@@ -102,14 +151,42 @@ def _slices(
             f"{entry.key!r}: chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} is "
             f"outside the shape {list(entry.shape)}"
         )
+
+
+def _found(chunk: Chunk, located: dict[int, _Located]) -> _Located | None:
+    """The located tensor of ``chunk``'s record (None when the chunk holds no elements)."""
+    record = chunk.record
+    return located.get(id(record)) if record is not None and chunk.numel else None
+
+
+def _check_layers_held(entry: Entry, chunk: Chunk, found: _Located) -> None:
+    """The record's tensor has the chunk's shape, fits in its storage and steps to new
+    elements from layer to layer (a layer stride of 0 would let one element stand for any
+    number of layers): the chunk's layer count is then at most its storage's element count."""
+    record = chunk.record
+    source = f"{record.file} @{record.offset}"
+    ref = found.ref
+    if tuple(ref.shape) != tuple(chunk.sizes):
+        raise FormatError(
+            f"{source}: {entry.key!r} record holds shape {list(ref.shape)}, the metadata says "
+            f"{list(chunk.sizes)}"
+        )
+    tensor_record(entry.key, ref, found.index, source)  # the whole view fits in its storage
+    if chunk.sizes[0] > 1 and ref.stride[0] < 1:
+        raise CorruptRecordError(
+            f"{source}: {entry.key!r} has a layer stride of {ref.stride[0]}: its "
+            f"{chunk.sizes[0]} layers would share their elements"
+        )
+
+
+def _slices(
+    entry: Entry, chunk: Chunk, located: dict[int, _Located]
+) -> Iterator[tuple[int, Chunk]]:
+    """``(layer, chunk)`` for each layer ``chunk`` spans (checked by :func:`_layer_count`):
+    its box without the layer axis and a RAW record over the layer's elements."""
     first, count = chunk.offsets[0], chunk.sizes[0]
     record = chunk.record
-    found = located.get(id(record)) if record is not None and chunk.numel else None
-    if found is not None and tuple(found.ref.shape) != tuple(chunk.sizes):
-        raise FormatError(
-            f"{record.file} @{record.offset}: {entry.key!r} record holds shape "
-            f"{list(found.ref.shape)}, the metadata says {list(chunk.sizes)}"
-        )
+    found = _found(chunk, located)
     for step in range(count):
         piece = None
         if found is not None:
@@ -162,19 +239,20 @@ def archive_pickles(storage: Storage, records: list[Record]) -> list[tuple[ZipIn
         if offset < start or offset + size > record.length:
             raise CorruptRecordError(f"{source}: zip directory outside the record's last bytes")
         members = central_directory(tail[offset - start : offset - start + size], count, source)
-        listed.append([m for m in members if _needed(m[0])])
+        listed.append(([m for m in members if _needed(m[0])], offset))
     heads = iter(
         storage.read_ranges(
             [
-                (r.file, r.offset + local, r.offset + local + 30)
-                for r, members in zip(records, listed, strict=True)
-                for _, local, _ in members
+                (r.file, r.offset + begin, r.offset + end)
+                for r, (members, _) in zip(records, listed, strict=True)
+                for name, local, _ in members
+                for begin, end in [local_header_range(local, name)]
             ]
         )
     )
     indexes = [
-        _index(storage, record, members, heads)
-        for record, members in zip(records, listed, strict=True)
+        _index(storage, record, members, directory, heads)
+        for record, (members, directory) in zip(records, listed, strict=True)
     ]
     wanted = []
     for record, index in zip(records, indexes, strict=True):
@@ -202,15 +280,23 @@ def _needed(name: str) -> bool:
     return name.endswith(("/data.pkl", "/byteorder")) or "/data/" in name
 
 
-def _index(storage: Storage, record: Record, members: list, heads: Iterator[bytes]) -> ZipIndex:
-    """A record's zip members with their data offsets in the record's file."""
+def _index(
+    storage: Storage, record: Record, members: list, directory: int, heads: Iterator[bytes]
+) -> ZipIndex:
+    """A record's zip members with their data offsets in the record's file (each agreeing with
+    its local header, none overlapping another or the directory at ``directory``)."""
     source = f"{storage.describe(record.file)} @{record.offset}"
-    found: dict[str, Member] = {}
+    inside: dict[str, Member] = {}
     for name, local, listed_member in members:
         member = located(listed_member, next(heads), local, name, source)
         if member.offset + member.size > record.length:
             raise CorruptRecordError(f"{source}: zip member {name!r} extends past the record")
-        found[name] = replace(member, offset=record.offset + member.offset)
+        inside[name] = member
+    check_member_spans(inside, {name: local for name, local, _ in members}, directory, source)
+    found = {
+        name: replace(member, offset=record.offset + member.offset)
+        for name, member in inside.items()
+    }
     pickles = [name for name in found if name.endswith("data.pkl")]
     if len(pickles) != 1:
         raise CorruptRecordError(f"{source}: expected one data.pkl, found {len(pickles)}")
