@@ -20,6 +20,7 @@ __all__ = [
     "ChecksumError",
     "MismatchError",
     "CoverageError",
+    "TensorsLeftAsObjectsError",
     "LimitExceededError",
     "PickleLimitError",
     "UnsafePathError",
@@ -95,6 +96,16 @@ class MismatchError(CorruptRecordError):
 
 class CoverageError(FormatError):
     """A tensor's chunks overlap or leave holes, or a set of rank files is incomplete."""
+
+
+class TensorsLeftAsObjectsError(FormatError):
+    """Tensors ckptkit could only keep as objects (DTensors, ShardedTensors or tensor subclasses
+    outside a set of rank files it reads): writing without them would be a silently partial
+    output. ``keys`` names them."""
+
+    def __init__(self, message: str, *, keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class LimitExceededError(CheckpointError):

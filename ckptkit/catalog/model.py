@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from ..dtypes import DType
-from ..errors import FormatError
+from ..errors import FormatError, TensorsLeftAsObjectsError
 
 __all__ = [
     "Encoding",
@@ -31,6 +31,10 @@ __all__ = [
     "Facts",
     "Catalog",
     "CatalogBuilder",
+    "tensors_left_as_objects",
+    "left_as_objects_text",
+    "left_as_objects_warning",
+    "refuse_tensors_left_as_objects",
 ]
 
 
@@ -131,6 +135,9 @@ class Entry:
     chunks: tuple[Chunk, ...]
     dtype: DType | None = None
     shape: tuple[int, ...] | None = None
+    #: objects only: the tensor class (``DTensor``, ``ShardedTensor``…) when the object is a
+    #: tensor ckptkit left undecoded as an object (see :func:`tensors_left_as_objects`)
+    tensor_class: str | None = None
 
     @property
     def group(self) -> str:
@@ -258,6 +265,47 @@ class Catalog:
         if close:
             parts.append("did you mean " + ", ".join(repr(k) for k in dict.fromkeys(close)) + "?")
         return "; ".join(parts)
+
+
+def tensors_left_as_objects(entries: Iterable[Entry]) -> list[Entry]:
+    """The object entries that are tensors ckptkit did not read (DTensors, ShardedTensors,
+    tensor subclasses kept as placeholders): the one test every report and writer applies, so
+    "no tensors" is never mistaken for an empty checkpoint."""
+    return [e for e in entries if e.kind == "object" and e.tensor_class is not None]
+
+
+def left_as_objects_text(found: Sequence[Entry], *, shown: int = 3) -> str:
+    """``'12 tensors left as objects (DTensor): model.a, model.b, model.c …'``."""
+    classes = ", ".join(sorted({e.tensor_class for e in found if e.tensor_class}))
+    keys = ", ".join(e.key for e in found[:shown]) + (" …" if len(found) > shown else "")
+    noun = "tensor" if len(found) == 1 else "tensors"
+    return f"{len(found)} {noun} left as objects ({classes}): {keys}"
+
+
+def left_as_objects_warning(entries: Iterable[Entry]) -> str:
+    """The first line of a summary of a checkpoint holding tensors left as objects (``''``
+    when it holds none): ``'⚠ 12 tensors left as objects (DTensor): … — not read as …'``."""
+    found = tensors_left_as_objects(entries)
+    if not found:
+        return ""
+    return (
+        f"⚠ {left_as_objects_text(found)} — not read as tensors: missing from the tensor "
+        "tables, reads, unshard and convert (one rank's file of a sharded save? open the "
+        "folder holding every rank's file)"
+    )
+
+
+def refuse_tensors_left_as_objects(entries: Iterable[Entry], where: str) -> None:
+    """Raise :class:`TensorsLeftAsObjectsError` naming the tensors left as objects among
+    ``entries`` (writing without them would be a silently partial output)."""
+    found = tensors_left_as_objects(entries)
+    if found:
+        raise TensorsLeftAsObjectsError(
+            f"{where}: {left_as_objects_text(found, shown=8)}; ckptkit could not read them as "
+            "tensors, so the output would lack them (open the whole set of rank files, or pass "
+            "objects='keep' / --objects keep to write them back as pickled objects)",
+            keys=tuple(e.key for e in found),
+        )
 
 
 class CatalogBuilder:

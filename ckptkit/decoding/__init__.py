@@ -3,8 +3,10 @@ records of torch.save zips, safetensors headers and config files. Nothing here r
 code; everything here reads through :mod:`ckptkit.storage`."""
 
 __all__ = [
+    "bounded_repr",
     "known_objects",
     "pickle_limits",
+    "pickle_stream",
     "record_layouts",
     "records",
     "run_config",

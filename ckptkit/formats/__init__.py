@@ -71,7 +71,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
         if isinstance(exc.__cause__, AccessDeniedError):  # a store refusing everything (403)
             raise exc.__cause__ from None
         raise LocationNotFoundError(f"{storage.describe()}: no such file or directory") from None
-    steps = pointers.checkpoints_below(storage, entries, first_detection)
+    steps = pointers.checkpoints_below(storage, entries, first_detection, nested=True)
     if steps:
         shown = ", ".join(steps[:8]) + (" …" if len(steps) > 8 else "")
         raise NotACheckpointError(
@@ -85,7 +85,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
         f"metadata.json (Megatron torch_dist), latest_checkpointed_iteration.txt, "
         f"__<rank>.metadata, model_and_optim/ (+ train/, config.yaml|json), *.safetensors, "
         f"*.safetensors.index.json, DeepSpeed ZeRO *_optim_states.pt (+ latest), "
-        f"rank<N>.pt, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
+        f"rank<N>.pt, <name>_rank<N>.pt|.bin of DTensors/ShardedTensors, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
         f"*.pth.tar, *.tar, *.jit; zip or pre-1.6), TorchScript archives (torch.jit.save: "
         f"constants.pkl, code/); found {seen}"
     )

@@ -46,16 +46,42 @@ def _natural(name: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def checkpoints_below(storage: Storage, listing: dict[str, int], detect) -> list[str]:
+def checkpoints_below(
+    storage: Storage, listing: dict[str, int], detect, *, nested: bool = False
+) -> list[str]:
     """The sub-directories of a run folder that ``detect`` (a Storage → Detection | None
     function) recognises as checkpoints, in natural order; at most :data:`MAX_STEP_DIRS`
-    are looked at."""
+    are looked at. With ``nested``, a sub-directory that is none is looked into once more
+    (verl's ``global_step_10/actor``), within the same budget of look-ups, and its
+    checkpoints are named by their path (``global_step_10/actor``)."""
     subdirs = sorted((name for name, size in listing.items() if size < 0), key=_natural)
-    found = []
+    found: list[str] = []
+    budget = MAX_STEP_DIRS
     for name in subdirs[:MAX_STEP_DIRS]:
-        try:
-            if detect(storage.child(name)) is not None:
-                found.append(name)
-        except (CheckpointError, OSError):  # recognised but damaged: still worth pointing to
+        budget -= 1
+        if _recognised(storage, name, detect):
             found.append(name)
+        elif nested and budget > 0:
+            try:
+                child = storage.child(name)
+                inner = child.listdir()
+            except (CheckpointError, OSError):
+                continue
+            below = sorted((n for n, size in inner.items() if size < 0), key=_natural)
+            for sub in below[:budget]:
+                budget -= 1
+                if _recognised(child, sub, detect):
+                    found.append(f"{name}/{sub}")
     return found
+
+
+def _recognised(storage: Storage, name: str, detect) -> bool:
+    """Whether ``detect`` recognises the sub-directory ``name``; a recognised but damaged
+    checkpoint (its detection raises) still counts: it is worth pointing to."""
+    try:
+        return detect(storage.child(name)) is not None
+    except (CheckpointError, OSError):
+        return True
+
+
+__all__ = ["MAX_STEP_DIRS", "checkpoints_below", "inside_checkpoint"]

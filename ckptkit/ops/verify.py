@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import tunables
-from ..catalog.model import Chunk, Encoding, Entry, Record, distinct_chunks
+from ..catalog.model import (
+    Catalog,
+    Chunk,
+    Encoding,
+    Entry,
+    Record,
+    distinct_chunks,
+    left_as_objects_text,
+    tensors_left_as_objects,
+)
 from ..errors import (
     CheckpointError,
     ChecksumError,
@@ -28,6 +37,7 @@ from ..errors import (
     MissingFileError,
     NotACheckpointError,
     PickleLimitError,
+    TensorsLeftAsObjectsError,
     TruncatedFileError,
     UnsafePathError,
     UnsafePickleError,
@@ -43,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLUMNS",
+    "LEFT_AS_OBJECTS",
     "PROBLEMS",
     "problem_kind",
     "Problem",
@@ -52,12 +63,15 @@ __all__ = [
 ]
 
 COLUMNS = ["file", "key", "problem", "detail"]
+#: The ``problem`` of a file holding tensors ckptkit could only keep as objects.
+LEFT_AS_OBJECTS = "tensors left as objects"
 
 #: The ``problem`` column: the most specific error class wins.
 PROBLEMS: list[tuple[type[CheckpointError], str]] = [
     (TruncatedFileError, "truncated"),
     (ChecksumError, "checksum"),
     (MismatchError, "mismatch"),
+    (TensorsLeftAsObjectsError, LEFT_AS_OBJECTS),
     (CoverageError, "coverage"),
     (MissingFileError, "missing file"),
     (PickleLimitError, "pickle limit"),
@@ -147,7 +161,24 @@ def _problems(source: Source, crc: bool, workers: int, ranks: Ranks | None) -> l
 
     found = work.run_everywhere(items, check, workers=workers, ranks=ranks, what="verify")
     checked = [p for index in range(2, len(items)) for p in found[index]]
-    return missing + found[0] + truncated + checked + found[1]
+    left = list(_left_as_objects(catalog))
+    return left + missing + found[0] + truncated + checked + found[1]
+
+
+def _left_as_objects(catalog: Catalog) -> Iterator[Problem]:
+    """A row per file holding tensors ckptkit could only keep as objects (DTensors outside a
+    set of rank files, tensor subclasses): the checkpoint reads "clean" but without them."""
+    by_file: dict[str, list[Entry]] = {}
+    for entry in tensors_left_as_objects(catalog.entries.values()):
+        by_file.setdefault(entry.chunks[0].record.file, []).append(entry)
+    for file, entries in by_file.items():
+        yield Problem(
+            file,
+            entries[0].key if len(entries) == 1 else None,
+            LEFT_AS_OBJECTS,
+            f"{left_as_objects_text(entries)}; not read as tensors, so reads, unshard and "
+            "convert would lack them",
+        )
 
 
 def _missing_files(

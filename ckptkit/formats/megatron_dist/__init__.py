@@ -60,6 +60,8 @@ COMMON = "common.pt"
 INTEGRITY = "integrity.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 LEGACY_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?$")
+#: The folders of a Megatron run directory, one per saved iteration.
+ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
 LEGACY_FILE = "model_optim_rng.pt"
 #: Groups of stored keys by their first part; everything else is the model's.
 _TOP = {"optimizer.": "optimizer", "rng_state/": "rng_state", "common_state/": "common"}
@@ -69,7 +71,12 @@ _REFORMULATED = "nd_reformulated_orig_global_shape"
 
 def detect(storage: Storage) -> Detection | None:
     """A ``torch_dist`` directory (``metadata.json`` naming its backend, beside ``.metadata``),
-    a run directory whose tracker names one, or the legacy layout (recognised, unsupported)."""
+    a run directory whose tracker names one, or the legacy layout (recognised, unsupported).
+
+    The tracker alone decides nothing (verl writes one too, beside ``global_step_N/``): a run
+    directory is Megatron's when the iteration it names holds Megatron content, or when that
+    iteration is missing but other ``iter_NNNNNNN/`` folders are there (then describe() names
+    the missing one)."""
     try:
         listing = storage.listdir()
     except (MissingFileError, NotADirectoryError):
@@ -80,14 +87,18 @@ def detect(storage: Storage) -> Detection | None:
     sub = _tracked_iteration(storage)
     if sub is None:
         return None
+    if listing.get(sub, 0) >= 0:  # the named iteration is not there: Megatron's run layout?
+        if not any(size < 0 and ITERATION_DIR.match(name) for name, size in listing.items()):
+            return None
+        return Detection(
+            NAME, storage, [f"found {TRACKER} naming {sub}/, which holds no checkpoint"]
+        )
     try:
         inner = _detect_here(storage.child(sub), storage.child(sub).listdir())
     except (MissingFileError, NotADirectoryError):
         inner = None
-    if inner is None:  # describe() names what is missing
-        return Detection(
-            NAME, storage, [f"found {TRACKER} naming {sub}/, which holds no checkpoint"]
-        )
+    if inner is None:  # an iteration folder without Megatron content: not Megatron's
+        return None
     inner.evidence[:0] = [f"found {TRACKER} naming {sub}/"]
     return inner
 
@@ -345,3 +356,18 @@ def _reshaped(entry: Entry, shape: Any) -> tuple[tuple[Chunk, ...], tuple[int, .
         start = sum(o * s for o, s in zip(chunk.offsets, strides, strict=True))
         chunks.append(Chunk((start,), (chunk.numel,), chunk.record, chunk.rank, flat=True))
     return tuple(chunks), tuple(shape)
+
+
+__all__ = [
+    "COMMON",
+    "CONFIG",
+    "INTEGRITY",
+    "ITERATION_DIR",
+    "LEGACY_DIR",
+    "LEGACY_FILE",
+    "NAME",
+    "STACKED_GROUP",
+    "TRACKER",
+    "describe",
+    "detect",
+]

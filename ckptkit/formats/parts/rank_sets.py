@@ -1,5 +1,8 @@
 """Per-rank torch.save files ``rank{N}.pt``: FSDP1 ``SHARDED_STATE_DICT``, OLMo "legacy" /
-"torch_legacy" checkpoints, and per-rank ``torch.save`` of FSDP2 DTensors.
+"torch_legacy" checkpoints, and per-rank ``torch.save`` of FSDP2 DTensors; and *named* sets of
+them, one per group, as training libraries write them (:func:`named_rank_sets`): verl / SkyRL
+``model_world_size_2_rank_0.pt`` (+ ``optim_…``, ``extra_state_…``), Accelerate FSDP
+``use_dcp=False`` ``pytorch_model_fsdp_0_rank0.bin`` (+ ``optimizer_0_rank0.bin``).
 
 Each rank's file holds that rank's local piece of every sharded tensor:
 
@@ -32,6 +35,15 @@ say another rank wrote it (a duplicated rank) or a shard no file holds. A ``step
 directory (OLMo saves there and renames it when done) opens with ``info["unfinished"]`` and a
 warning; plain FSDP rank files have no completion marker to check.
 
+Named sets. ``<stem>[_world_size_<N>]_rank[_]<r>.{pt,bin,pth}``: each stem is one set, its whole
+content under one group named after what it holds (:func:`named_group`): ``model`` for the
+model's state dict (``model``, ``pytorch_model``, ``pytorch_model_fsdp``, index 0 or none),
+``optim`` for the optimizer's (``optim``, ``optimizer``), the stem itself otherwise (verl's
+``extra_state``: the name its files and loader use). Names decide only which files form a set;
+whether a set is a sharded checkpoint at all is decided by content (:func:`sniff_sharding`:
+one file's pickle holds DTensors or ShardedTensors). The name's world size, when it has one,
+must match the files present (every rank 0..N-1) and what the contents say.
+
 Pickle safety. The rank files' pickles are decoded with
 :data:`.fsdp_pickles.ALLOWED_GLOBALS`: plain stand-ins for the ShardedTensor and DTensor
 classes, nothing from torch imported or run (see :mod:`.fsdp_pickles`).
@@ -42,14 +54,15 @@ from __future__ import annotations
 import math
 import posixpath
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...catalog.model import Chunk, Entry, pickle_leaf
+from ...decoding.tensor_like import tensor_class
 from ...decoding.unpickler import TensorRef
 from ...dtypes import DType
-from ...errors import CoverageError, FormatError
+from ...errors import CheckpointError, CoverageError, FormatError
 from ...limits import count_missing, first_missing, ranks_text
 from ...storage import Storage
 from .fsdp_pickles import (
@@ -72,6 +85,14 @@ from .fsdp_pickles import (
 from .torch_save_files import Pickled, leaves, load_pickles, tensor_record
 
 RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+#: A rank file of a named set: ``model_world_size_2_rank_0.pt``, ``optimizer_0_rank1.bin``.
+NAMED_RANK_FILE = re.compile(
+    r"^(?P<stem>[A-Za-z0-9][A-Za-z0-9_-]*?)(?:_world_size_(?P<world>\d+))?"
+    r"_rank_?(?P<rank>\d+)\.(?:pt|bin|pth)$"
+)
+#: Stems of the model's and the optimizer's state dict, with an optional model index.
+_MODEL_STEM = re.compile(r"^(?:pytorch_model_fsdp|pytorch_model|model)(?:_(\d+))?$")
+_OPTIM_STEM = re.compile(r"^(?:optimizer|optim)(?:_(\d+))?$")
 #: Top-level keys that are groups of their own; every other top-level key is trainer state.
 STATE_GROUPS = ("model", "optim")
 TRAIN_GROUP = "train"
@@ -98,6 +119,125 @@ def rank_files(storage: Storage, listing: Mapping[str, int], prefix: str = "") -
     return {rank: prefix + found[rank] for rank in sorted(found)}
 
 
+@dataclass(frozen=True)
+class NamedRankSet:
+    """The rank files of one stem (``model_world_size_2_rank_{r}.pt``): their group, the world
+    size the names state (None when they state none) and ``{rank: name}``."""
+
+    group: str
+    template: str  # a rank's file name with ``{rank}`` for the rank
+    world_size: int | None
+    files: dict[int, str]
+
+    def check_names(self, storage: Storage) -> None:
+        """A :class:`CoverageError` naming the missing files when the names leave a rank out
+        (0..N-1 by the world size the names state, else up to the highest rank present), or
+        name a rank beyond the world size they state. Reads nothing."""
+        world = self.world_size if self.world_size is not None else max(self.files) + 1
+        missing = first_missing(self.files, world)
+        if missing:
+            shown = ", ".join(storage.describe(self.template.format(rank=r)) for r in missing)
+            said = (
+                f"the names say world size {world}"
+                if self.world_size is not None
+                else f"files go up to {self.files[max(self.files)]}"
+            )
+            raise CoverageError(
+                f"{shown}: missing; {said} but only ranks {ranks_text(self.files)} have files "
+                f"({count_missing(self.files, world)} missing)"
+            )
+        beyond = [rank for rank in self.files if rank >= world]
+        if beyond:
+            raise CoverageError(
+                f"{storage.describe(self.files[beyond[0]])}: rank {beyond[0]} is beyond the "
+                f"world size {world} its name states; mixed checkpoints?"
+            )
+
+    @property
+    def shown(self) -> str:
+        """``'model_world_size_2_rank_{0..1}.pt'``, for evidence and messages."""
+        return self.template.replace("{rank}", f"{{{min(self.files)}..{max(self.files)}}}")
+
+
+def named_group(stem: str) -> str:
+    """The group a named set's content goes under: ``model`` / ``optim`` for the model's and
+    the optimizer's state dict (``model_1`` / ``optim_1`` for Accelerate's second model),
+    else the stem itself (verl's ``extra_state``, the name its loader uses)."""
+    for pattern, group in ((_MODEL_STEM, "model"), (_OPTIM_STEM, "optim")):
+        match = pattern.match(stem)
+        if match:
+            index = match.group(1)
+            return group if index in (None, "0") else f"{group}_{int(index)}"
+    return stem
+
+
+def named_rank_sets(
+    storage: Storage, listing: Mapping[str, int], *, strict: bool = True
+) -> list[NamedRankSet]:
+    """The named sets of rank files in ``listing`` (see the module notes), model first, then
+    optim, then the rest by name. With ``strict``, a rank named twice in one set and two sets
+    under one group (``model_world_size_2_…`` beside ``model_world_size_4_…``) are a
+    :class:`CoverageError`; without it (detection) the first wins. Reads nothing."""
+    by_template: dict[str, tuple[str, int | None, dict[int, str]]] = {}
+    for name in sorted(listing):
+        match = NAMED_RANK_FILE.match(name)
+        if not match or listing[name] < 0:
+            continue
+        rank = int(match.group("rank"))
+        template = name[: match.start("rank")] + "{rank}" + name[match.end("rank") :]
+        world = match.group("world")
+        stem, _, files = by_template.setdefault(
+            template, (match.group("stem"), int(world) if world else None, {})
+        )
+        if rank in files:
+            if strict:
+                raise CoverageError(
+                    f"{storage.describe(name)}: rank {rank} is also {files[rank]}; a rank must "
+                    "have exactly one file"
+                )
+            continue
+        files[rank] = name
+    sets: dict[str, NamedRankSet] = {}
+    for template, (stem, world, files) in by_template.items():
+        group = named_group(stem)
+        if group in sets:
+            if strict:
+                raise CoverageError(
+                    f"{storage.describe()}: two sets of rank files hold group {group!r}: "
+                    f"{sets[group].shown} and {template.replace('{rank}', '*')}; "
+                    "one folder, one checkpoint"
+                )
+            continue
+        sets[group] = NamedRankSet(group, template, world, dict(sorted(files.items())))
+    order = {"model": 0, "optim": 1}
+    return sorted(sets.values(), key=lambda s: (order.get(s.group, 2), s.group))
+
+
+def sniff_sharding(storage: Storage, file: str, size: int | None = None) -> str | None:
+    """``"DTensor"`` or ``"ShardedTensor"`` when the pickle of the rank file ``file`` holds
+    sharded tensors, else None: what decides that a named set is a sharded checkpoint. Reads
+    that one file's zip directory and pickle (decoded safely, no tensor bytes); a file that
+    cannot be decoded so (damaged, another tensor subclass) is None, left to other readers."""
+    sizes = {file: size} if size is not None else None
+    try:
+        pickled = load_pickles(storage, [file], sizes, allow=ALLOWED_GLOBALS)[file]
+    except (CheckpointError, OSError):
+        return None
+    if not isinstance(pickled.value, Mapping):
+        return None
+    kinds = {type(leaf) for _, leaf in leaves(pickled.value) if _is_sharded(leaf)}
+    if not kinds:
+        return None
+    return "ShardedTensor" if _ShardedTensor in kinds else "DTensor"
+
+
+def sharded_sets_evidence(sets: Iterable[NamedRankSet], kind: str) -> str:
+    """``'per-rank torch.save files holding DTensors: model_world_size_2_rank_{0..1}.pt
+    (model), …'``."""
+    shown = ", ".join(f"{s.shown} ({s.group})" for s in sets)
+    return f"per-rank torch.save files holding {kind}s: {shown}"
+
+
 # --------------------------------------------------------------------------------------------
 # Describing a set of rank files.
 
@@ -113,6 +253,7 @@ class _Item:
     first: str  # the file it was first seen in, as messages name it
     chunks: list[Chunk] = field(default_factory=list)
     expected: tuple | None = None  # ShardedTensor: every shard's (offsets, sizes) as metadata says
+    tensor_class: str | None = None  # an object that is a tensor left undecoded
 
 
 @dataclass
@@ -125,6 +266,7 @@ class RankSet:
     world_size_from: str
     authoritative: bool  # the world size was written down (not inferred from files)
     sharding: str | None  # "ShardedTensor", "DTensor" or None
+    template: str = "rank{rank}.pt"  # a rank's file name, as messages name a missing one
 
     def missing(self) -> list[int]:
         """The first few ranks below the world size without a file (bounded, see
@@ -135,7 +277,7 @@ class RankSet:
         """A :class:`FormatError` naming the missing rank files (and surplus ones)."""
         missing = self.missing()
         if missing:
-            names = [_sibling(self.files, rank) for rank in missing]
+            names = [_sibling(self.files, rank, self.template) for rank in missing]
             shown = ", ".join(storage.describe(name) for name in names)
             count = count_missing(self.files, self.world_size)
             raise CoverageError(
@@ -156,20 +298,21 @@ def describe_ranks(
     sizes: Mapping[str, int | None] | None = None,
     group: str | None = None,
     require_all: bool = True,
+    template: str = "rank{rank}.pt",
 ) -> RankSet:
     """Entries of the rank files ``{rank: path}``, merged over ranks (see the module notes).
 
     ``group`` puts every file's whole content under that group (``train`` for OLMo's
     ``train/rank{N}.pt``); None applies the grouping rule of legacy rank files. With
-    ``require_all`` a missing rank is a :class:`FormatError` naming its file; otherwise the
-    caller checks :meth:`RankSet.missing`.
+    ``require_all`` a missing rank is a :class:`FormatError` naming its file (``template``
+    spells it); otherwise the caller checks :meth:`RankSet.missing`.
     """
     pickled = load_pickles(storage, list(files.values()), sizes, allow=ALLOWED_GLOBALS)
     builder = _Builder()
     for rank, file in files.items():
         builder.add_rank(rank, pickled[file], group)
-    world, source, authoritative = builder.world_size(files)
-    ranks = RankSet({}, dict(files), world, source, authoritative, builder.sharding)
+    world, source, authoritative = builder.world_size(files, template)
+    ranks = RankSet({}, dict(files), world, source, authoritative, builder.sharding, template)
     if require_all:
         ranks.raise_for_missing(storage)  # before the shards they lack are reported
     ranks.entries = builder.finish()
@@ -201,12 +344,14 @@ class _Builder:
                 self._add(key, path, "tensor", leaf.dtype, leaf.shape, [chunk], pickled)
             else:
                 record = pickle_leaf(pickled.file, pickled.offset, pickled.length, inner)
-                self._add(key, path, "object", None, None, [Chunk((), (), record, rank)], pickled)
+                chunks = [Chunk((), (), record, rank)]
+                self._add(key, path, "object", None, None, chunks, pickled, None, leaf)
 
-    def _add(self, key, path, kind, dtype, shape, chunks, pickled, expected=None) -> None:
+    def _add(self, key, path, kind, dtype, shape, chunks, pickled, expected=None, leaf=None):
         item = self.items.get(key)
         if item is None:
             item = self.items[key] = _Item(path, kind, dtype, shape, pickled.source, [], expected)
+            item.tensor_class = tensor_class(leaf) if kind == "object" else None
         elif (item.kind, item.dtype, item.shape) != (kind, dtype, shape):
             raise FormatError(
                 f"{pickled.source}: {key!r} is {_what(kind, dtype, shape)} here but "
@@ -330,14 +475,16 @@ class _Builder:
 
     # -- all ranks -------------------------------------------------------------------------
 
-    def world_size(self, files: Mapping[int, str]) -> tuple[int, str, bool]:
+    def world_size(
+        self, files: Mapping[int, str], template: str = "rank{rank}.pt"
+    ) -> tuple[int, str, bool]:
         """The world size, where it was read, and whether it was written down."""
         inferred = max(files) + 1
         if self.world_sizes:
             world = max(self.world_sizes)
             if world >= inferred:
                 return world, self.world_sizes[world], True
-        return inferred, f"rank files up to rank{max(files)}.pt", False
+        return inferred, f"rank files up to {template.format(rank=max(files))}", False
 
     def finish(self) -> dict[str, Entry]:
         entries = {}
@@ -352,7 +499,9 @@ class _Builder:
                         f"{item.first}: no rank file holds the shard of {key!r} at offsets "
                         f"{list(offsets)} (sizes {list(sizes)})"
                     )
-            entries[key] = Entry(key, item.path, item.kind, chunks, item.dtype, item.shape)
+            entries[key] = Entry(
+                key, item.path, item.kind, chunks, item.dtype, item.shape, item.tensor_class
+            )
         return entries
 
 
@@ -468,10 +617,10 @@ def _torch_chunk(n: int, chunks: int, index: Any) -> tuple[int, int]:
     return max(0, min(n, start + full) - start), start
 
 
-def _sibling(files: Mapping[int, str], rank: int) -> str:
+def _sibling(files: Mapping[int, str], rank: int, template: str = "rank{rank}.pt") -> str:
     """The name rank ``rank``'s file would have, beside the others."""
     directory = posixpath.dirname(next(iter(files.values()))) if files else ""
-    return posixpath.join(directory, f"rank{rank}.pt")
+    return posixpath.join(directory, template.format(rank=rank))
 
 
 def _what(kind: str, dtype: DType | None, shape: tuple[int, ...] | None) -> str:
@@ -479,10 +628,16 @@ def _what(kind: str, dtype: DType | None, shape: tuple[int, ...] | None) -> str:
 
 
 __all__ = [
+    "NAMED_RANK_FILE",
     "RANK_FILE",
     "STATE_GROUPS",
     "TRAIN_GROUP",
+    "NamedRankSet",
     "RankSet",
     "describe_ranks",
+    "named_group",
+    "named_rank_sets",
     "rank_files",
+    "sharded_sets_evidence",
+    "sniff_sharding",
 ]

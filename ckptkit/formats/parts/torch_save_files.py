@@ -17,6 +17,7 @@ from typing import Any
 from ...catalog.model import Chunk, Encoding, Entry, Record, pickle_leaf
 from ...catalog.output_names import group_of_file
 from ...decoding.records import Member, ZipIndex, read_zip_indexes
+from ...decoding.tensor_like import tensor_class
 from ...decoding.unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
 from ...errors import CorruptRecordError, FormatError
 from ...storage import Storage
@@ -167,7 +168,8 @@ def _load_zip_pickles(
 
 def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) -> Iterator[Entry]:
     """An entry per leaf of a decoded file, under ``group``: tensors as RAW records, other
-    leaves as PICKLE_LEAF; top-level keys in ``exclude`` are left out."""
+    leaves as PICKLE_LEAF (a placeholder of a tensor class marked with its ``tensor_class``);
+    top-level keys in ``exclude`` are left out."""
     for inner, leaf in leaves(pickled.value):
         if inner and inner[0] in exclude:
             continue
@@ -179,7 +181,8 @@ def pickle_entries(pickled: Pickled, group: str, exclude: Collection[str] = ()) 
             record = pickle_leaf(
                 pickled.file, pickled.offset, pickled.length, inner, crc32=pickled.crc32
             )
-            yield Entry(key, path, "object", (Chunk((), (), record),))
+            chunks = (Chunk((), (), record),)
+            yield Entry(key, path, "object", chunks, tensor_class=tensor_class(leaf))
 
 
 def leaves(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple, Any]]:
@@ -268,3 +271,22 @@ def tensor_record(key: str, ref: TensorRef, index: StorageIndex, source: str) ->
             crc32=member.crc32 if whole else None,  # a zip's CRC covers the whole storage
         )
     return record
+
+
+__all__ = [
+    "LEGACY_MAGIC",
+    "SUFFIXES",
+    "ZIP_MAGIC",
+    "Pickled",
+    "StorageIndex",
+    "describe_files",
+    "directory_files",
+    "group_of",
+    "leaves",
+    "load_pickles",
+    "pickle_entries",
+    "probe",
+    "storage_bytes",
+    "tensor_entry",
+    "tensor_record",
+]
