@@ -1,30 +1,34 @@
 """Per-key differences between two checkpoints of any formats, streamed tensor by tensor.
 
 Keys are matched after dropping wrapper segments (``_fsdp_wrapped_module.`` …) and applying a
-``key_map``; tensors stream from both sides in lockstep, in blocks of at most
-:data:`~ckptkit.tunables.BLOCK_ELEMENTS` elements whatever the two sides' chunking. Each block's raw bytes are
-compared first, so bit-identical tensors cost a byte comparison and no float math.
+``key_map``; an object on one side is split where the other keeps entries below its key, and a
+one-file checkpoint's stem lined up with the other side's groups (:mod:`ckptkit.ops.diff_keys`),
+so a correct conversion compares ``equal``. Tensors stream from both sides in lockstep, in
+blocks of at most :data:`~ckptkit.tunables.BLOCK_ELEMENTS` elements whatever the two sides'
+chunking. Each block's raw bytes are compared first, so bit-identical tensors cost a byte
+comparison and no float math.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import dtypes, tunables
-from ..catalog.keys import KeyMap, map_key
+from ..catalog.keys import KeyMap
 from ..catalog.model import Entry
 from ..decoding.unpickler import Opaque, TensorRef
 from ..dtypes import DType
-from ..errors import KeyNotFoundError, UsageError
+from ..errors import UsageError
 from ..reading import Reader
 from ..reading.tensor_blocks import ByteStream, aligned_blocks, as_float, bytes_equal
 from . import distributed, work
+from .diff_keys import Leaf, Match, aligned_key_map, match_keys
 from .source import Source, open_source
 
 if TYPE_CHECKING:
@@ -48,8 +52,9 @@ COLUMNS = [
 ]
 #: The ``status`` values, from "nothing to see" to structural changes.
 STATUSES = (
-    "equal",  # same dtype and shape, bit-identical bytes
-    "close",  # same dtype and shape, within tolerance of the tensor's own scale (see diff())
+    "equal",  # same dtype and shape, bit-identical bytes (objects: equal values)
+    "close",  # within tolerance of the tensor's own scale (see diff()); also across a change of
+    # floating dtype (float32 → bfloat16), which the note then names
     "different",  # same dtype and shape, beyond tolerance (integers and bools: any change)
     "only_a",
     "only_b",
@@ -79,15 +84,28 @@ def diff(
     max |a−b| ≤ atol + rtol·max(|a|, |b|) **and** ‖a−b‖ ≤ atol·√n + rtol·max(‖a‖, ‖b‖). So a
     tensor of values near 1e-10 (Adam's ``exp_avg_sq``) that tripled is ``different``, whatever
     its absolute size, and many small elements cannot hide behind one large one; integer and
-    bool tensors have no tolerance. ``max_abs`` = max |a−b|, ``mean_abs``, ``rel_l2`` =
-    ‖a−b‖/‖a‖, ``cosine``, and ``frac_outside`` = the element-wise view, the fraction of
-    elements with |a−b| > atol + rtol·|b| (``torch.isclose``; NaN matches NaN). Keys are matched after ``key_map`` (a dict of
-    prefix → prefix, or a callable) is applied to both sides' keys, wrapper segments such as
-    ``_fsdp_wrapped_module.`` dropped; ``keys`` globs select among the mapped keys. ``key`` is
-    a's key (b's for ``only_b``), ``key_b`` b's. Memory stays at about two blocks plus what the
-    readers hold for the current tensor (≤ 2 × the largest tensor + 64 MB) per worker:
-    tensors are compared on ``workers`` threads, and spread over the ranks of an initialised
-    torch.distributed process group (every rank returns the whole table).
+    bool tensors have no tolerance. A floating tensor whose dtype changed (float32 → bfloat16)
+    is compared by value, exactly: ``close`` within that tolerance (``rtol=1e-2`` covers a
+    bfloat16 cast), else ``dtype_changed``; the note names the change. ``max_abs`` = max |a−b|,
+    ``mean_abs``, ``rel_l2`` = ‖a−b‖/‖a‖, ``cosine``, and ``frac_outside`` = the element-wise
+    view, the fraction of elements with |a−b| > atol + rtol·|b| (``torch.isclose``; NaN matches
+    NaN).
+
+    Keys are matched after ``key_map`` (a dict of prefix → prefix, or a callable) is applied to
+    both sides' keys, wrapper segments such as ``_fsdp_wrapped_module.`` dropped; ``keys`` globs
+    select among the mapped keys. Without a ``key_map``, a checkpoint that is one file (keys
+    named under its stem: ``torch_ref.model.…``) is lined up with the other side's groups when
+    that pairs every one of its keys (``key_map={}`` matches keys as they are). An object on one
+    side and entries below its key on the other (``optim.param_groups`` and
+    ``optim.param_groups.0.lr`` …) are compared by value at the same paths, one row per path.
+    ``key`` is a's key (b's for ``only_b``), ``key_b`` b's. ``frame.attrs["notes"]`` says what
+    was lined up and gives hints (a glob that matched nothing on one side, a ``key_map`` to
+    try); ``frame.attrs["key_map"]`` is the key map used, when a dict.
+
+    Memory stays at about two blocks plus what the readers hold for the current tensor
+    (≤ 2 × the largest tensor + 64 MB) per worker: tensors are compared on ``workers`` threads,
+    and spread over the ranks of an initialised torch.distributed process group (every rank
+    returns the whole table).
     """
     import pandas as pd
 
@@ -95,66 +113,70 @@ def diff(
         raise UsageError(f"rtol and atol must be >= 0, got rtol={rtol!r} atol={atol!r}")
     ckpt_a = open_source(a, storage_options)
     ckpt_b = open_source(b, storage_options)
-    pairs = _pairs(ckpt_a, ckpt_b, key_map, keys)
+    notes: list[str] = []
+    if key_map is None:
+        key_map = aligned_key_map(ckpt_a, ckpt_b, notes)
+    values = (_Values(ckpt_a), _Values(ckpt_b))
+    loads = (values[0].load, values[1].load)
+    matches = match_keys(ckpt_a, ckpt_b, key_map, keys, loads, notes)
     tolerance = _Tolerance(rtol, atol)
-    rows = _compare_pairs(ckpt_a, ckpt_b, pairs, tolerance, progress, work.check_workers(workers))
+    rows = _compare_pairs(
+        ckpt_a, ckpt_b, matches, values, tolerance, progress, work.check_workers(workers)
+    )
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["numel"] = frame["numel"].astype("Int64")
-    frame.attrs.update(a=_location(ckpt_a), b=_location(ckpt_b), rtol=rtol, atol=atol)
+    frame.attrs.update(
+        a=_location(ckpt_a),
+        b=_location(ckpt_b),
+        rtol=rtol,
+        atol=atol,
+        key_map=dict(key_map) if isinstance(key_map, Mapping) else None,
+        notes=notes,
+    )
     return frame
 
 
+#: An entry of a and an entry of b compared at one key (None: the key is on one side only).
 Pair = tuple[Entry | None, Entry | None]
-
-
-def _pairs(
-    ckpt_a: Source, ckpt_b: Source, key_map: KeyMap, keys: Sequence[str] | str | None
-) -> list[Pair]:
-    """``(a's entry, b's entry)`` per mapped key: a's keys in order, then those only in b."""
-    side_a = _mapped(ckpt_a, key_map, keys)
-    side_b = _mapped(ckpt_b, key_map, keys)
-    if keys is not None and not side_a and not side_b:  # a mistyped glob must not "pass"
-        raise KeyNotFoundError(
-            f"{ckpt_a.url}, {ckpt_b.url}: no key matches {keys!r} ({ckpt_a.catalog.hint(keys)})"
-        )
-    pairs: list[Pair] = [(entry, side_b.get(name)) for name, entry in side_a.items()]
-    pairs += [(None, entry) for name, entry in side_b.items() if name not in side_a]
-    return pairs
 
 
 def _compare_pairs(
     ckpt_a: Source,
     ckpt_b: Source,
-    pairs: list[Pair],
+    matches: list[Match],
+    values: tuple[_Values, _Values],
     tolerance: _Tolerance,
     progress: bool,
     workers: int,
 ) -> list[dict[str, Any]]:
-    """One row per pair: objects compared by value in one batch, tensors streamed as work
-    items (each thread with its own pair of readers)."""
-    objects = _compare_objects(
-        ckpt_a,
-        ckpt_b,
-        [(ea, eb) for ea, eb in pairs if _both(ea, eb) and ea.kind == eb.kind == "object"],
-    )
-    total = sum(
-        max(ea.nbytes, eb.nbytes)
-        for ea, eb in pairs
-        if _both(ea, eb) and ea.kind == eb.kind == "tensor"
-    )
+    """One row per match: objects and leaves of objects compared by value (each side's objects
+    read in one batch), tensors streamed as work items (each thread with its own readers)."""
+    values_a, values_b = values
+    values_a.load([m.a for m in matches if _needs_value(m.a, m.b)])
+    values_b.load([m.b for m in matches if _needs_value(m.b, m.a)])
+    total = sum(max(m.a.nbytes, m.b.nbytes) for m in matches if _both_tensors(m.a, m.b))
     rows = []
     tensor_pairs = []
-    for i, (ea, eb) in enumerate(pairs):
-        row = _row(ea, eb)
+    for i, match in enumerate(matches):
+        row = _row(match)
+        ea, eb = match.a, match.b
         if ea is None:
             row["status"] = "only_b"
         elif eb is None:
             row["status"] = "only_a"
+        elif isinstance(ea, Leaf) or isinstance(eb, Leaf):
+            found = _compare_values(
+                _value_of(ea, values_a, ckpt_a.reader),
+                _value_of(eb, values_b, ckpt_b.reader),
+                tolerance,
+            )
+            found["note"] = "; ".join(filter(None, (found.get("note"), row["note"])))
+            row.update(found)
         elif ea.kind != eb.kind:
             row["status"] = "object_changed"
             row["note"] = f"{ea.kind} in a, {eb.kind} in b"
         elif ea.kind == "object":
-            row["status"], row["note"] = objects[ea.key]
+            row["status"], row["note"] = _object_verdict(values_a.get(ea), values_b.get(eb))
         else:
             tensor_pairs.append(work.WorkItem(i, max(ea.nbytes, eb.nbytes), (ea, eb)))
         rows.append(row)
@@ -171,8 +193,8 @@ def _compare_pairs(
         compared = work.run_everywhere(
             tensor_pairs, compare, workers=workers, ranks=ranks, what="diff"
         )
-    for index, values in compared.items():
-        rows[index].update(values)
+    for index, found in compared.items():
+        rows[index].update(found)
     return rows
 
 
@@ -182,49 +204,49 @@ def _location(ckpt: Source) -> str:
     return ckpt.storage.describe(files[0]) if files and len(files) == 1 else ckpt.url
 
 
-# -- keys ---------------------------------------------------------------------------------
+def _both_tensors(ea: Entry | Leaf | None, eb: Entry | Leaf | None) -> bool:
+    """Whether both sides are tensor entries (streamed as work items)."""
+    return isinstance(ea, Entry) and isinstance(eb, Entry) and ea.kind == eb.kind == "tensor"
 
 
-def _mapped(ckpt: Source, key_map: KeyMap, keys: Sequence[str] | str | None) -> dict:
-    """Mapped key → entry of the selected entries of ``ckpt``; two keys mapping to one refused."""
-    patterns = [keys] if isinstance(keys, str) else keys
-    skipped = set(ckpt.catalog.facts.alternate_groups) if patterns is None else set()
-    out: dict[str, Entry] = {}
-    for entry in ckpt.catalog.entries.values():
-        if entry.group in skipped:  # views of bytes other keys hold: compared there
-            continue
-        name = map_key(entry.key, key_map)
-        if patterns is not None and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            continue
-        if name in out:
-            raise UsageError(
-                f"{ckpt.url}: keys {out[name].key!r} and {entry.key!r} both map to {name!r}"
-            )
-        out[name] = entry
-    return out
+def _needs_value(item: Entry | Leaf | None, other: Entry | Leaf | None) -> bool:
+    """Whether ``item`` is an object entry whose decoded value the comparison uses."""
+    if not isinstance(item, Entry) or item.kind != "object" or other is None:
+        return False
+    return isinstance(other, Leaf) or other.kind == "object"
 
 
-def _both(ea: Entry | None, eb: Entry | None) -> bool:
-    return ea is not None and eb is not None
-
-
-def _row(ea: Entry | None, eb: Entry | None) -> dict[str, Any]:
-    entry = ea if ea is not None else eb
-    tensor = entry.kind == "tensor"
+def _row(match: Match) -> dict[str, Any]:
+    item = match.a if match.a is not None else match.b
+    tensor = _tensor_facts(item)
+    inside = [
+        f"inside {label}'s object {side.entry.key}"
+        for label, side in (("a", match.a), ("b", match.b))
+        if isinstance(side, Leaf)
+    ]
     return {
-        "key": entry.key,
+        "key": item.key,
         "status": None,
-        "dtype": entry.dtype.name if tensor else None,
-        "shape": entry.shape if tensor else None,
-        "numel": entry.numel if tensor else None,
+        "dtype": tensor[0] if tensor else None,
+        "shape": tensor[1] if tensor else None,
+        "numel": math.prod(tensor[1]) if tensor else None,
         "max_abs": math.nan,
         "mean_abs": math.nan,
         "rel_l2": math.nan,
         "cosine": math.nan,
         "frac_outside": math.nan,
-        "note": "",
-        "key_b": eb.key if eb is not None else None,
+        "note": "; ".join(inside),
+        "key_b": match.b.key if match.b is not None else None,
     }
+
+
+def _tensor_facts(item: Entry | Leaf) -> tuple[str, tuple[int, ...]] | None:
+    """``(dtype name, shape)`` of a tensor entry or of a tensor inside an object, else None."""
+    if isinstance(item, Entry):
+        return (item.dtype.name, item.shape) if item.kind == "tensor" else None
+    if _is_torch_tensor(item.value):
+        return str(item.value.dtype).removeprefix("torch."), tuple(item.value.shape)
+    return None
 
 
 # -- tensors ------------------------------------------------------------------------------
@@ -239,17 +261,41 @@ class _Tolerance:
 def _compare_tensor_entries(
     reader_a: Reader, ea: Entry, reader_b: Reader, eb: Entry, tol: _Tolerance, bar
 ) -> dict[str, Any]:
-    if ea.shape != eb.shape:
+    change = _structural_change(ea.dtype, ea.shape, eb.dtype, eb.shape)
+    if change is not None:
         bar.update(max(ea.nbytes, eb.nbytes))
-        return {"status": "shape_changed", "note": f"shape {ea.shape} → {eb.shape}"}
-    numeric = _numeric(ea.dtype) and _numeric(eb.dtype)
-    if ea.dtype != eb.dtype and not numeric:
-        bar.update(max(ea.nbytes, eb.nbytes))
-        return {"status": "dtype_changed", "note": f"dtype {ea.dtype.name} → {eb.dtype.name}"}
-    stats = _compare_streams(reader_a, ea, reader_b, eb, tol, bar)
+        return change
+
+    def blocks() -> Iterator[tuple[int, memoryview, memoryview]]:
+        for n, ba, bb in aligned_blocks(reader_a, ea, reader_b, eb):
+            bar.update(max(len(ba), len(bb)))
+            yield n, ba, bb
+
+    stats = _compare_blocks(blocks(), ea.dtype, eb.dtype, ea.numel, tol)
+    if not stats.identical and stats.prefix:
+        _add_prefix_norms(reader_a, ea, stats)
+    return _verdict(stats, ea.dtype, eb.dtype, tol)
+
+
+def _structural_change(
+    da: DType, shape_a: tuple[int, ...], db: DType, shape_b: tuple[int, ...]
+) -> dict[str, Any] | None:
+    """The row of two tensors that cannot be compared element by element, else None."""
+    if shape_a != shape_b:
+        return {"status": "shape_changed", "note": f"shape {shape_a} → {shape_b}"}
+    if da != db and not (_numeric(da) and _numeric(db)):
+        return {"status": "dtype_changed", "note": f"dtype {da.name} → {db.name}"}
+    return None
+
+
+def _verdict(stats: _Stats, da: DType, db: DType, tol: _Tolerance) -> dict[str, Any]:
+    """The row's status and numbers; a change of floating dtype within tolerance is ``close``."""
     out = stats.result(tol)
-    if ea.dtype != eb.dtype:
-        out.update(status="dtype_changed", note=f"dtype {ea.dtype.name} → {eb.dtype.name}")
+    if da != db:
+        within = da.is_floating and db.is_floating and out["status"] in SAME
+        out.update(
+            status="close" if within else "dtype_changed", note=f"dtype {da.name} → {db.name}"
+        )
     return out
 
 
@@ -358,27 +404,31 @@ class _Stats:
         }
 
 
-def _compare_streams(ra: Reader, ea: Entry, rb: Reader, eb: Entry, tol: _Tolerance, bar) -> _Stats:
-    same_dtype = ea.dtype == eb.dtype
-    stats = _Stats(ea.numel, exact=same_dtype and not ea.dtype.is_floating)
-    for n, ba, bb in aligned_blocks(ra, ea, rb, eb):
-        bar.update(max(len(ba), len(bb)))
+def _compare_blocks(
+    blocks: Iterable[tuple[int, memoryview, memoryview]],
+    da: DType,
+    db: DType,
+    numel: int,
+    tol: _Tolerance,
+) -> _Stats:
+    """Running statistics over ``(n, a's bytes, b's bytes)`` blocks of two tensors' elements."""
+    same_dtype = da == db
+    stats = _Stats(numel, exact=same_dtype and not da.is_floating)
+    for _n, ba, bb in blocks:
         if same_dtype and bytes_equal(ba, bb):
             if stats.identical:
-                stats.prefix += n
+                stats.prefix += _n
             else:
-                stats.same_block(as_float(ba, ea.dtype))
+                stats.same_block(as_float(ba, da))
             del ba, bb
             continue
         stats.identical = False
         raw_differs = None
         if stats.exact:
-            np_dtype = dtypes.to_numpy(ea.dtype)
+            np_dtype = dtypes.to_numpy(da)
             raw_differs = np.frombuffer(ba, np_dtype) != np.frombuffer(bb, np_dtype)
-        stats.block(as_float(ba, ea.dtype), as_float(bb, eb.dtype), raw_differs, tol)
+        stats.block(as_float(ba, da), as_float(bb, db), raw_differs, tol)
         del ba, bb, raw_differs  # so the next read does not overlap a spent record
-    if not stats.identical and stats.prefix:
-        _add_prefix_norms(ra, ea, stats)
     return stats
 
 
@@ -395,23 +445,80 @@ def _add_prefix_norms(reader: Reader, entry: Entry, stats: _Stats) -> None:
 # -- objects ------------------------------------------------------------------------------
 
 
-def _compare_objects(
-    ckpt_a: Source, ckpt_b: Source, pairs: list[tuple[Entry, Entry]]
-) -> dict[str, tuple[str, str]]:
-    """a's key → (status, note) for each pair of object entries, compared by value."""
-    if not pairs:
-        return {}
-    values_a = _read_objects(ckpt_a, [ea for ea, _ in pairs])
-    values_b = _read_objects(ckpt_b, [eb for _, eb in pairs])
-    out = {}
-    for (ea, _), va, vb in zip(pairs, values_a, values_b, strict=True):
-        if same_value(va, vb):
-            out[ea.key] = ("equal", "")
-        else:
-            from ..catalog.tables import preview
+class _Values:
+    """Decoded values of one side's object entries, read in batches and kept for the diff."""
 
-            out[ea.key] = ("object_changed", f"{preview(va)} → {preview(vb)}")
-    return out
+    def __init__(self, ckpt: Source) -> None:
+        self.ckpt = ckpt
+        self._known: dict[str, Any] = {}
+
+    def load(self, entries: list[Entry]) -> list[Any]:
+        """The values of ``entries``, those not read yet read in one batch."""
+        missing = list({e.key: e for e in entries if e.key not in self._known}.values())
+        if missing:
+            self._known.update(
+                zip((e.key for e in missing), _read_objects(self.ckpt, missing), strict=True)
+            )
+        return [self._known[e.key] for e in entries]
+
+    def get(self, entry: Entry) -> Any:
+        return self.load([entry])[0]
+
+
+@dataclass(frozen=True)
+class _TensorValue:
+    """A tensor's row-major element bytes, for comparing a tensor inside an object."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _value_of(item: Entry | Leaf, values: _Values, reader: Reader) -> Any:
+    """What a side holds at a key, for comparing by value: a tensor as :class:`_TensorValue`."""
+    if isinstance(item, Entry) and item.kind == "tensor":
+        return _TensorValue(item.dtype, item.shape, b"".join(reader.iter_bytes(item)))
+    value = item.value if isinstance(item, Leaf) else values.get(item)
+    if _is_torch_tensor(value):
+        dt = dtypes.BY_NAME.get(str(value.dtype).removeprefix("torch."))
+        if dt is not None and value.layout is sys.modules["torch"].strided:
+            flat = value.detach().contiguous().reshape(-1)
+            data = flat.view(sys.modules["torch"].uint8).numpy().tobytes()
+            return _TensorValue(dt, tuple(value.shape), data)
+    return value
+
+
+def _compare_values(va: Any, vb: Any, tol: _Tolerance) -> dict[str, Any]:
+    """The row of two values at one key where one side holds it inside an object."""
+    tensors = isinstance(va, _TensorValue), isinstance(vb, _TensorValue)
+    if all(tensors):
+        change = _structural_change(va.dtype, va.shape, vb.dtype, vb.shape)
+        if change is not None:
+            return change
+        numel = math.prod(va.shape)
+        blocks = [(numel, memoryview(va.data), memoryview(vb.data))] if numel else []
+        stats = _compare_blocks(blocks, va.dtype, vb.dtype, numel, tol)
+        return _verdict(stats, va.dtype, vb.dtype, tol)
+    if any(tensors):
+        kinds = ["tensor" if t else "object" for t in tensors]
+        return {"status": "object_changed", "note": f"{kinds[0]} in a, {kinds[1]} in b"}
+    status, note = _object_verdict(va, vb)
+    return {"status": status, "note": note}
+
+
+def _object_verdict(va: Any, vb: Any) -> tuple[str, str]:
+    """``(status, note)`` of two decoded objects."""
+    if same_value(va, vb):
+        return "equal", ""
+    from ..catalog.tables import preview
+
+    return "object_changed", f"{preview(va)} → {preview(vb)}"
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.Tensor`` (never imports torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _read_objects(ckpt: Source, entries: list[Entry]) -> list[Any]:
@@ -472,6 +579,3 @@ def same_value(x: Any, y: Any) -> bool:
         return bool(x == y)
     except (TypeError, ValueError):
         return x is y
-
-
-# -- progress -----------------------------------------------------------------------------

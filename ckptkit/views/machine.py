@@ -20,6 +20,7 @@ def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
     the summary the text output shows (files and bytes from
     :func:`~ckptkit.ops.sizes.byte_account`, as every rendering counts them), then the ``top``
     largest stored tensors (all tensors, alternate views included, when None)."""
+    from ..catalog.model import left_as_objects_warning
     from ..ops.sizes import byte_account
 
     catalog = ckpt.catalog
@@ -44,6 +45,7 @@ def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
     return {
         "format": catalog.format,
         "url": ckpt.url,
+        "warning": left_as_objects_warning(catalog.objects()),
         "summary": {
             "tensors": len(catalog.tensors()),
             "objects": len(catalog.objects()),
@@ -86,6 +88,7 @@ def diff_json(frame: pd.DataFrame, same: bool) -> dict:
         "atol": frame.attrs.get("atol"),
         "same": same,
         "counts": {k: int(v) for k, v in frame["status"].value_counts().items()},
+        "notes": list(frame.attrs.get("notes", [])),
         "keys": _json_rows(frame),
     }
 
