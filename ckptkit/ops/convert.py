@@ -17,15 +17,23 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import dtypes
 from ..catalog import output_names
-from ..catalog.model import Entry
-from ..decoding.known_objects import decoded, opaque_names
+from ..catalog.model import Entry, refuse_tensors_left_as_objects
+from ..decoding.bounded_repr import bounded_repr
 from ..dtypes import DType
-from ..errors import FormatError, MissingFileError, OutputExistsError, UnsafePickleError, UsageError
+from ..errors import (
+    FormatError,
+    MissingFileError,
+    OutputExistsError,
+    PickleLimitError,
+    UnsafePickleError,
+    UsageError,
+)
 from ..storage import AtomicOutput, Storage, atomic_output
 from ..units import parse_size
 from . import distributed, output_plans, work
 from .output_plans import Copier, Task, WrittenFile
 from .source import Source, open_source
+from .writers import torch_save
 
 if TYPE_CHECKING:
     from .distributed import Ranks
@@ -33,8 +41,10 @@ if TYPE_CHECKING:
 __all__ = ["ObjectPolicy", "Target", "UnshardResult", "WrittenFile", "convert", "unshard"]
 
 Target = Literal["torch", "safetensors", "dcp"]
-#: What unshard/convert do with an object holding classes ckptkit does not decode: write it
-#: back as the pickle built it (``keep``), leave the entry out (``drop``) or refuse (``error``).
+#: What unshard/convert do with an object whose pickle names globals not known to be harmless
+#: (:data:`~ckptkit.decoding.known_objects.BENIGN_GLOBALS`), judged on the very pickle written:
+#: write it back as the pickle built it (``keep``), leave the entry out (``drop``) or refuse
+#: (``error``).
 ObjectPolicy = Literal["keep", "drop", "error"]
 
 
@@ -42,13 +52,17 @@ ObjectPolicy = Literal["keep", "drop", "error"]
 class UnshardResult:
     """What :func:`unshard` wrote where; non-tensor entries of safetensors output are listed
     under the ``*.objects.pt`` side files that hold them. ``opaque`` names the object entries
-    written back as their pickle built them, with the classes ckptkit did not decode (loading
-    them needs those classes, and runs their code); ``dropped`` the entries left out, and why."""
+    written back as their pickle built them, with every global their pickle names that is not
+    known to be harmless (loading them imports those globals and runs their code);
+    ``unsafe_globals`` the written objects' globals outside torch's ``weights_only`` allowlist
+    (``torch.load(weights_only=True)`` refuses the files holding them); ``dropped`` the entries
+    left out, and why."""
 
     destination: str
     files: list[WrittenFile] = field(default_factory=list)
     opaque: dict[str, list[str]] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
+    unsafe_globals: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +84,7 @@ class UnshardResult:
             for f in self.files
         ]
         for title, notes in (
-            ("written as pickled (classes ckptkit does not decode)", _joined(self.opaque)),
+            ("written as pickled (globals not known to be harmless)", _joined(self.opaque)),
             ("left out", self.dropped),
         ):
             if notes:
@@ -78,15 +92,39 @@ class UnshardResult:
                 lines += [f"  {key}: {why}" for key, why in list(notes.items())[:_LISTED]]
                 if len(notes) > _LISTED:
                     lines.append(f"  … and {len(notes) - _LISTED} more")
+        if self.unsafe_globals:
+            lines.append(_loading_sentence(self.unsafe_globals))
         return "\n".join(lines)
 
 
-#: Keys listed per kind in :meth:`UnshardResult.__str__`.
+#: Keys listed per kind in :meth:`UnshardResult.__str__`, and globals named in its sentence.
 _LISTED = 10
 
 
 def _joined(opaque: dict[str, list[str]]) -> dict[str, str]:
-    return {key: ", ".join(names) for key, names in opaque.items()}
+    return {key: _names(names) for key, names in opaque.items()}
+
+
+def _names(names: Sequence[str]) -> str:
+    """Global names for a message: dotted names as they are, anything else (a pickle may name
+    any string, escape sequences included) as a short, escaped repr."""
+    shown = [
+        name if all(part.isidentifier() for part in name.split(".")) else bounded_repr(name)
+        for name in names[:_LISTED]
+    ]
+    more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
+    return ", ".join(shown) + more
+
+
+def _loading_sentence(unsafe: dict[str, list[str]]) -> str:
+    """What loading the output will do, in one sentence, for objects naming ``unsafe``
+    globals (by key) outside torch's ``weights_only`` allowlist."""
+    names = sorted({name for listed in unsafe.values() for name in listed})
+    return (
+        f"Loading the output will import or call {_names(names)} (torch.load with "
+        "weights_only=False runs them); torch.load(weights_only=True) will refuse the files "
+        "holding them."
+    )
 
 
 def unshard(
@@ -101,7 +139,7 @@ def unshard(
     storage_options: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
-    objects: ObjectPolicy = "keep",
+    objects: ObjectPolicy | None = None,
     exclude: Sequence[str] | str | None = None,
     workers: int = 1,
 ) -> UnshardResult:
@@ -111,10 +149,12 @@ def unshard(
     that group (nesting, objects included), streamed so ``torch.load(mmap=True)`` works.
     ``to="safetensors"``: ``<group>.safetensors`` with dotted keys relative to the group (HF
     ``-0000i-of-0000N`` shards + index with ``max_shard_size``); the group's non-tensor entries
-    go to ``<group>.objects.pt``. Objects holding classes ckptkit does not decode are written
-    back as their pickle built them (``objects="keep"``, listed in the result's ``opaque``),
-    left out (``"drop"``) or refused (``"error"``); nothing of them runs here. Memory stays at
-    about the largest tensor; nothing appears under a final name unless everything succeeded.
+    go to ``<group>.objects.pt``. Objects whose pickle names globals not known to be harmless
+    (anywhere: classes, arguments, BUILD state, items) are written back as their pickle built
+    them (``objects="keep"``, listed in the result's ``opaque``), left out (``"drop"``) or
+    refused (``"error"``); nothing of them runs here. The result's ``unsafe_globals`` names what
+    ``torch.load(weights_only=True)`` will refuse in the output. Memory stays at about the
+    largest tensor; nothing appears under a final name unless everything succeeded.
 
     The output files are a plan's work items: ``workers`` threads write several at once, and
     inside an initialised torch.distributed process group (e.g. under ``torchrun``) each rank
@@ -131,7 +171,10 @@ def unshard(
         storage_options: fsspec options for ``src`` (when a URL) and ``dst``.
         overwrite: replace existing files of the same name instead of refusing.
         progress: show a progress bar.
-        objects: ``"keep"``, ``"drop"`` or ``"error"`` for objects of undecoded classes.
+        objects: ``"keep"``, ``"drop"`` or ``"error"`` for objects naming harmful globals; the
+            default (None) keeps them but refuses tensors left as objects (DTensors outside a
+            set of rank files: :class:`~ckptkit.errors.TensorsLeftAsObjectsError`), which only
+            ``"keep"`` writes back as pickled.
         exclude: globs of keys left out.
         workers: threads writing output files at once.
 
@@ -172,7 +215,7 @@ def convert(
     storage_options: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
-    objects: ObjectPolicy = "keep",
+    objects: ObjectPolicy | None = None,
     exclude: Sequence[str] | str | None = None,
     workers: int = 1,
 ) -> UnshardResult:
@@ -228,7 +271,7 @@ class _Options:
     keys: Sequence[str] | str | None = None
     groups: Sequence[str] | str | None = None
     exclude: Sequence[str] | str | None = None
-    objects: ObjectPolicy = "keep"
+    objects: ObjectPolicy | None = None
     dtype: str | None = None
     max_shard_size: int | str | None = None
     overwrite: bool = False
@@ -370,7 +413,7 @@ def _selected_values(
     ``keys`` / ``groups`` / ``exclude`` and the ``objects`` policy; records what was left out
     or carried opaquely in ``result``. Nothing left at all is an error, not an empty output."""
     keys, groups, policy = options.keys, options.groups, options.objects
-    if policy not in ("keep", "drop", "error"):
+    if policy not in (None, "keep", "drop", "error"):
         raise UsageError(f"objects must be 'keep', 'drop' or 'error', not {policy!r}")
     exclude = options.exclude
     excluded = [exclude] if isinstance(exclude, str) else list(exclude or ())
@@ -381,23 +424,28 @@ def _selected_values(
             entries.append(entry)
         else:
             result.dropped[entry.key] = f"exclude={pattern!r}"
+    if policy != "keep":  # tensors left as objects: an output without them is silently partial
+        refuse_tensors_left_as_objects(entries, source.url)
     objects = [e for e in entries if e.kind == "object"]
     raw = source.reader.read_objects(objects, decode=False, tensors="data") if objects else []
     values = dict(zip((e.key for e in objects), raw, strict=True))
     for key, value in values.items():
-        names = opaque_names(decoded(value))
-        if not names:
-            continue
-        if policy == "error":
+        found = _pickled_globals(key, value)
+        names = list(found.harmful)
+        if names and policy == "error":
             raise UnsafePickleError(
-                f"{key!r} holds {', '.join(names)}, which ckptkit does not decode; "
-                "objects='keep' writes it back as pickled, objects='drop' or exclude= leaves it out",
+                f"{key!r} holds {_names(names)}, not known to be harmless (loading it would "
+                "import and run them); objects='keep' writes it back as pickled, objects='drop' "
+                "or exclude= leaves it out",
                 global_name=names[0],
             )
-        if policy == "drop":
-            result.dropped[key] = f"holds {', '.join(names)} (objects='drop')"
-        else:
+        if names and policy == "drop":
+            result.dropped[key] = f"holds {_names(names)} (objects='drop')"
+            continue
+        if names:
             result.opaque[key] = names
+        if found.refused_by_weights_only:
+            result.unsafe_globals[key] = list(found.refused_by_weights_only)
     entries = [e for e in entries if e.key not in result.dropped]
     if not entries:
         raise FormatError(
@@ -406,3 +454,15 @@ def _selected_values(
             + f"; {source.catalog.hint(keys, groups)}"
         )
     return entries, {k: v for k, v in values.items() if k not in result.dropped}
+
+
+def _pickled_globals(key: str, value: Any) -> torch_save.PickledGlobals:
+    """The globals the pickle written for ``key``'s ``value`` names; a value the writer cannot
+    write (a class of ckptkit's own, a cycle through arguments, too many parts) refused naming
+    the key."""
+    try:
+        return torch_save.pickled_globals(value)
+    except UsageError as exc:
+        raise UsageError(f"{key!r}: {exc}") from None
+    except PickleLimitError as exc:
+        raise PickleLimitError(f"{key!r}: {exc}", global_name=exc.global_name) from None

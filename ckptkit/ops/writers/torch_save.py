@@ -2,6 +2,11 @@
 
 The result is the zip layout torch itself writes (stored members, storages 64-byte aligned,
 ``.storage_alignment`` record), so ``torch.load(..., weights_only=True, mmap=True)`` reads it.
+
+What the pickle names is torch's and the checkpoint's, never ckptkit's: dtypes and devices are
+written as torch pickles them, any other ckptkit class is refused. :func:`pickled_globals`
+pickles a value the same way into nothing and reports every global the bytes would name, so
+what is checked (the ``objects=`` policy, :data:`WEIGHTS_ONLY_GLOBALS`) is what is written.
 """
 
 from __future__ import annotations
@@ -21,13 +26,25 @@ import numpy as np
 
 from ... import dtypes
 from ...crc32 import combine as combine_crc
+from ...decoding.known_objects import BENIGN_GLOBALS, Device, benign_placeholder
+from ...decoding.pickle_limits import OBJECT_LIMITS
 from ...decoding.records import TensorData
 from ...decoding.unpickler import Opaque
 from ...dtypes import DType
-from ...errors import MismatchError, UnsafePickleError, UsageError
+from ...errors import MismatchError, PickleLimitError, UnsafePickleError, UsageError
 from ...reading import strided_view
 
-__all__ = ["ALIGNMENT", "CheckedBytes", "StoredZipWriter", "TensorSlot", "dumps", "write"]
+__all__ = [
+    "ALIGNMENT",
+    "WEIGHTS_ONLY_GLOBALS",
+    "CheckedBytes",
+    "PickledGlobals",
+    "StoredZipWriter",
+    "TensorSlot",
+    "dumps",
+    "pickled_globals",
+    "write",
+]
 
 ALIGNMENT = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
@@ -216,6 +233,9 @@ _TYPED_STORAGES = {
     d.storage: _Global("torch", d.storage) for d in dtypes.BY_NAME.values() if d.storage
 }
 _DTYPES = {name: _Global("torch", d.name) for name, d in dtypes.BY_NAME.items()}
+_DEVICE = _Global("torch", "device")
+#: The top-level package of ckptkit's own classes, which no output may name.
+_OWN_PACKAGE = __name__.partition(".")[0]
 
 
 @dataclass(eq=False)
@@ -225,14 +245,15 @@ class _StorageId:
 
 class _TorchPickler(pickle._Pickler):
     """The pure-Python pickler, whose ``save_global`` can name a global without importing it:
-    torch's (:class:`_Global`) and each placeholder's (replayed as the pickle that built it)."""
+    torch's (:class:`_Global`) and each placeholder's (replayed as the pickle that built it).
+    ckptkit's dtypes and devices become torch's; any other class of ckptkit is refused."""
 
     def __init__(self, stream: BinaryIO, slots: list[TensorSlot]) -> None:
         super().__init__(stream, protocol=2)
         self.slots = slots
         torch = sys.modules.get("torch")  # tensors can only be in memory if it is imported
+        self.tensor_type = torch.Tensor if torch is not None else None
         if torch is not None:
-            self.tensor_type = torch.Tensor
             self.save = self._save_tensors_as_slots
 
     def _save_tensors_as_slots(self, obj: Any, save_persistent_id: bool = True) -> None:
@@ -244,8 +265,15 @@ class _TorchPickler(pickle._Pickler):
         if isinstance(obj, _Global):
             return obj.qualname  # a name: the pickler calls save_global
         if isinstance(obj, Opaque):
-            return _replay(obj)
+            return self.replay(obj)
+        kind = type(obj)
+        if kind not in self.dispatch and not isinstance(obj, type) and _is_own(kind.__module__):
+            raise _own_class_error(f"{kind.__module__}.{kind.__qualname__}")
         return NotImplemented
+
+    def replay(self, obj: Opaque) -> tuple:
+        """The reduce value replaying the placeholder ``obj`` (see :func:`_replay`)."""
+        return _replay(obj)
 
     def save_slot(self, slot: TensorSlot) -> None:
         """``rebuild(storage, 0, shape, stride, False, OrderedDict()[, dtype])`` as the opcodes
@@ -291,7 +319,22 @@ class _TorchPickler(pickle._Pickler):
         array = np.ascontiguousarray(strided_view(data, "a tensor inside an object"))
         self.save_slot(TensorSlot(data.dtype, data.shape, data=array.tobytes()))
 
-    dispatch = {**pickle._Pickler.dispatch, TensorSlot: save_slot, TensorData: save_tensor_data}
+    def save_dtype(self, dt: DType) -> None:
+        """A dtype as ``torch.save`` pickles one: the global ``torch.<name>``."""
+        self.save(_DTYPES[dt.name])
+
+    def save_device(self, device: Device) -> None:
+        """A device as ``torch.save`` pickles one: ``torch.device(type[, index])``."""
+        args = (device.type,) if device.index is None else (device.type, device.index)
+        self.save_reduce(_DEVICE, args, obj=device)
+
+    dispatch = {
+        **pickle._Pickler.dispatch,
+        TensorSlot: save_slot,
+        TensorData: save_tensor_data,
+        DType: save_dtype,
+        Device: save_device,
+    }
 
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, _StorageId):
@@ -309,30 +352,202 @@ class _TorchPickler(pickle._Pickler):
             module, qualname = obj.module, obj.qualname
             if not all(part.isidentifier() for part in f"{module}.{qualname}".split(".")):
                 # STACK_GLOBAL names are any string: a newline would inject opcodes here
-                raise UnsafePickleError(
-                    f"cannot write the global {obj.global_name!r}: not a dotted Python name",
-                    global_name=obj.global_name,
-                )
+                self.unwritable_name(obj)
+                return
         else:
+            module, qualname = _global_name(obj, name)
+            if _is_own(module):
+                raise _own_class_error(f"{module}.{qualname}")
+            self.named(f"{module}.{qualname}", obj)
             super().save_global(obj, name)
             return
+        self.named(f"{module}.{qualname}", obj)
         self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
         self.memoize(obj)
 
+    def named(self, name: str, obj: Any) -> None:
+        """Called with each global written (nothing to do here; :class:`_GlobalsPickler`
+        records them)."""
 
-def _replay(obj: Opaque) -> tuple:
-    """The reduce value that pickles ``obj`` as it was unpickled: REDUCE ``cls(*args)`` or
-    NEWOBJ ``cls.__new__(cls, *args)``, then its items, then BUILD with its state."""
-    if obj.kwargs:
-        raise UsageError(
-            f"{obj.global_name} was built with keyword arguments (NEWOBJ_EX), which a "
-            "protocol-2 torch.save pickle cannot express; leave it out with exclude="
+    def unwritable_name(self, cls: type[Opaque]) -> None:
+        """A placeholder's global that is not a dotted Python name: refused."""
+        raise UnsafePickleError(
+            f"cannot write the global {cls.global_name!r}: not a dotted Python name",
+            global_name=cls.global_name,
         )
+
+
+def _global_name(obj: Any, name: str | None) -> tuple[str, str]:
+    """``(module, qualname)`` as ``pickle`` names a class or function it saves as a global."""
+    if name is None:
+        name = getattr(obj, "__qualname__", None) or obj.__name__
+    return pickle.whichmodule(obj, name), name
+
+
+def _is_own(module: str) -> bool:
+    return module.partition(".")[0] == _OWN_PACKAGE
+
+
+def _own_class_error(name: str) -> UsageError:
+    """The refusal of a ckptkit class reaching the output: loading it would need ckptkit."""
+    return UsageError(
+        f"cannot write {name}: a class of ckptkit's own, which loading the output would need "
+        "ckptkit for; leave it out with exclude="
+    )
+
+
+def _replay(obj: Opaque, *, strict: bool = True) -> tuple:
+    """The reduce value that pickles ``obj`` as it was unpickled: REDUCE ``cls(*args)`` or
+    NEWOBJ ``cls.__new__(cls, *args)``, then its items, then BUILD with its state. Keyword
+    arguments (NEWOBJ_EX) cannot be written: refused, or (not ``strict``, only to see what the
+    pickle names) passed as one more argument."""
+    args = obj.args
+    if obj.kwargs:
+        if strict:
+            raise UsageError(
+                f"{obj.global_name} was built with keyword arguments (NEWOBJ_EX), which a "
+                "protocol-2 torch.save pickle cannot express; leave it out with exclude="
+            )
+        args = (*args, obj.kwargs)
     listitems = iter(obj.listitems) if obj.listitems else None
     dictitems = iter(obj.dictitems) if obj.dictitems else None
     if obj.called:
-        return type(obj), obj.args, obj.state, listitems, dictitems
-    return copyreg.__newobj__, (type(obj), *obj.args), obj.state, listitems, dictitems
+        return type(obj), args, obj.state, listitems, dictitems
+    return copyreg.__newobj__, (type(obj), *args), obj.state, listitems, dictitems
+
+
+# --------------------------------------------------------------------------------------------
+# What a pickle names: the same pickling, into nothing.
+
+
+@dataclass(frozen=True)
+class PickledGlobals:
+    """The globals a value's pickle names (as Python 3 spells them), sorted: all of them, and
+    the ``harmful`` ones: the checkpoint's globals not known to be harmless (see
+    :data:`~ckptkit.decoding.known_objects.BENIGN_GLOBALS`), which loading would import or run."""
+
+    names: tuple[str, ...]
+    harmful: tuple[str, ...]
+
+    @property
+    def refused_by_weights_only(self) -> tuple[str, ...]:
+        """The globals ``torch.load(weights_only=True)`` refuses (outside its allowlist)."""
+        return tuple(name for name in self.names if name not in WEIGHTS_ONLY_GLOBALS)
+
+
+def pickled_globals(value: Any, *, budget: int = OBJECT_LIMITS.max_items) -> PickledGlobals:
+    """Every global :func:`dumps` would write for ``value`` (a value as unpickled, placeholders
+    kept), found by pickling it the same way into nothing (tensor bytes not read): classes,
+    reduce functions, and everything in arguments, BUILD states and items, nested. Refuses
+    ckptkit's own classes as :func:`dumps` does; placeholders it could not write (keyword
+    arguments, names that are not dotted) count as harmful. Reference cycles end at the memo, as
+    when writing; more than ``budget`` objects raise :class:`PickleLimitError`, and a value
+    nested too deeply for the pickler (or in a cycle through sets or tuples alone, which no
+    pickle can express) raises :class:`UsageError`."""
+    pickler = _GlobalsPickler(budget)
+    try:
+        pickler.dump(value)
+    except RecursionError:
+        raise UsageError(
+            "cannot write it: nested too deeply, or in a reference cycle through sets or tuples "
+            "(which a pickle cannot express); leave it out with exclude="
+        ) from None
+    return PickledGlobals(tuple(sorted(pickler.names)), tuple(sorted(pickler.harmful)))
+
+
+class _NullSink:
+    """A stream that keeps nothing."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _GlobalsPickler(_TorchPickler):
+    """:class:`_TorchPickler` writing into nothing, recording every global it names and judging
+    the checkpoint's placeholders and classes; tensors are slots without bytes."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(_NullSink(), [])
+        self.names: set[str] = set()
+        self.harmful: set[str] = set()
+        self.budget = budget
+        self.save = self._counted_save
+
+    def _counted_save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            raise PickleLimitError("object of too many parts to write")
+        if self.tensor_type is not None and isinstance(obj, self.tensor_type):
+            obj = TensorSlot(dtypes.dtype(str(obj.dtype)), tuple(obj.shape))
+        pickle._Pickler.save(self, obj, save_persistent_id)
+
+    def replay(self, obj: Opaque) -> tuple:
+        if not benign_placeholder(obj):
+            self.harmful.add(obj.global_name)
+        return _replay(obj, strict=False)
+
+    def save_tensor_data(self, data: TensorData) -> None:
+        self.save_slot(TensorSlot(data.dtype, data.shape))  # its bytes name nothing
+
+    dispatch = {**_TorchPickler.dispatch, TensorData: save_tensor_data}
+
+    def named(self, name: str, obj: Any) -> None:
+        self.names.add(name)
+        if isinstance(obj, type) and issubclass(obj, Opaque) and name not in BENIGN_GLOBALS:
+            self.harmful.add(name)
+
+    def unwritable_name(self, cls: type[Opaque]) -> None:
+        self.names.add(cls.global_name)
+        self.harmful.add(cls.global_name)
+        self.memoize(cls)
+
+
+_WEIGHTS_ONLY_DTYPES = (
+    *("bfloat16", "bool", "complex32", "complex64", "complex128"),
+    *("float16", "float32", "float64", "float4_e2m1fn_x2", "float8_e8m0fnu"),
+    *("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"),
+    *(f"int{bits}" for bits in (*range(1, 9), 16, 32, 64)),
+    *(f"uint{bits}" for bits in (*range(1, 9), 16, 32, 64)),
+    *("qint8", "qint32", "quint8", "quint2x4", "quint4x2"),
+    *("bits1x8", "bits2x4", "bits4x2", "bits8", "bits16"),
+)
+_KINDS = ("BFloat16", "Bool", "Byte", "Char", "Double", "Float", "Half", "Int", "Long", "Short")
+_SPARSE_KINDS = tuple(kind for kind in _KINDS if kind != "Bool")
+_STORAGE_KINDS = (*_KINDS, "ComplexDouble", "ComplexFloat")
+_REBUILDS = (
+    *("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter"),
+    *("_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor"),
+    *("_rebuild_meta_tensor_no_storage", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass"),
+    *("_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"),
+)
+_QSCHEMES = (
+    *("per_tensor_affine", "per_tensor_symmetric", "per_channel_affine"),
+    *("per_channel_symmetric", "per_channel_affine_float_qparams"),
+)
+#: What ``torch.load(weights_only=True)`` accepts by default (torch 2.13's
+#: ``torch._weights_only_unpickler._get_allowed_globals``, kept here so nothing imports torch):
+#: tensors, storages, dtypes, ``torch.Size`` and ``torch.device``, ``OrderedDict``,
+#: ``Counter`` and a few builtins. A pickle naming anything else is refused by it.
+WEIGHTS_ONLY_GLOBALS: frozenset[str] = frozenset(
+    (
+        *("collections.OrderedDict", "collections.Counter", "torch.nn.parameter.Parameter"),
+        *("torch.serialization._get_layout", "torch.Size", "torch.Tensor", "torch.device"),
+        *("_codecs.encode", "builtins.bytearray", "builtins.set", "builtins.complex"),
+        *(f"torch.{name}" for name in _WEIGHTS_ONLY_DTYPES),
+        *(f"torch.{name}" for name in _QSCHEMES),
+        *(f"torch.{kind}Storage" for kind in _STORAGE_KINDS),
+        *(f"torch.{kind}Storage" for kind in ("QInt8", "QInt32", "QUInt8", "QUInt2x4", "QUInt4x2")),
+        *(f"torch.cuda.{kind}Storage" for kind in _STORAGE_KINDS),
+        "torch.storage.TypedStorage",
+        "torch.storage.UntypedStorage",
+        *(f"torch.{kind}Tensor" for kind in _KINDS),
+        *(f"torch.cuda.{kind}Tensor" for kind in _KINDS),
+        *(f"torch.sparse.{kind}Tensor" for kind in _SPARSE_KINDS),
+        *(f"torch.cuda.sparse.{kind}Tensor" for kind in _SPARSE_KINDS),
+        *(f"torch._utils.{name}" for name in _REBUILDS),
+        "torch._tensor._rebuild_from_type_v2",
+    )
+)
 
 
 def _slot_from_tensor(tensor) -> TensorSlot:
