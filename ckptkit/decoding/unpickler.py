@@ -3,9 +3,10 @@
 Each global a pickle names is looked up in an allowlist that maps it to a harmless stand-in
 (a plain class, ``tuple``, a validating function); nothing is ever imported from the name.
 Outside the allowlist a global either raises :class:`UnsafePickleError` (metadata: strict) or
-becomes a visible :class:`Opaque` placeholder (user objects), never called. Stand-ins never
-allocate or iterate what a pickle merely announces (``bytearray(10**12)``, ``set(range(…))``,
-``numpy.ndarray(shape)``), nor format one into an error but through
+becomes a visible :class:`Opaque` placeholder (user objects; see
+:mod:`~ckptkit.decoding.placeholders`), never called. Stand-ins never allocate or iterate what a
+pickle merely announces (``bytearray(10**12)``, ``set(range(…))``, ``numpy.ndarray(shape)``),
+nor format one into an error but through
 :func:`~ckptkit.decoding.bounded_repr.bounded_repr`; :mod:`~ckptkit.decoding.pickle_limits`
 bounds the input before the C unpickler runs it and the value after, and
 :mod:`~ckptkit.decoding.pickle_stream` feeds a large one to it in pieces. The one way around
@@ -41,12 +42,14 @@ from .pickle_limits import (
     UNKNOWN,
     Limits,
     check_value,
+    limit_error,
     nesting_bound,
     run_with_stack,
     scan_pieces,
     simulate,
 )
 from .pickle_stream import read_pieces, stream_over
+from .placeholders import Opaque, is_opaque, opaque_class
 
 __all__ = [
     "COMMON_GLOBALS",
@@ -362,96 +365,28 @@ def python3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-class _OpaqueGlobal(type):
-    """The type of placeholder classes: a global a pickle names shows as that name (an object's
-    type column says ``class``, as for a class it refers to)."""
-
-    global_name = "class"
-
-    def __repr__(cls) -> str:
-        return f"<class {cls.global_name}>"
-
-
-class Opaque(metaclass=_OpaqueGlobal):
-    """A value whose class the allowlist does not know: kept by name and arguments, never run.
-
-    It records exactly what the pickle did, so a writer can replay it without the class:
-    ``called`` tells ``cls(*args)`` (REDUCE) from ``cls.__new__(cls, *args)`` (NEWOBJ),
-    ``state`` is what BUILD set, ``listitems`` / ``dictitems`` what APPENDS / SETITEMS added.
-    The class itself (a subclass per global) spells the global as ``module`` and ``qualname``.
-    """
-
-    global_name = "?"
-    module = "?"
-    qualname = "?"
-
-    def __new__(cls, *args, **kwargs):  # NEWOBJ lands here only; REDUCE then calls __init__
-        obj = object.__new__(cls)
-        obj.args, obj.kwargs, obj.state, obj.called = args, kwargs, None, False
-        obj.listitems, obj.dictitems = [], []
-        return obj
-
-    def __init__(self, *args, **kwargs) -> None:
-        self.called = True
-
-    def __setstate__(self, state) -> None:
-        self.state = state
-
-    def append(self, item) -> None:
-        self.listitems.append(item)
-
-    def extend(self, items) -> None:
-        self.listitems.extend(items)
-
-    def __setitem__(self, key, value) -> None:
-        self.dictitems.append((key, value))
-
-    @property
-    def items(self) -> list:
-        """Appended items, then ``(key, value)`` pairs set, as one list (for comparisons)."""
-        return [*self.listitems, *self.dictitems]
-
-    def __repr__(self) -> str:
-        return f"<{self.global_name}{self.args!r}>" if self.args else f"<{self.global_name}>"
-
-    def __bounded_repr__(self, render: Callable[[Any], str]) -> str:
-        """:meth:`__repr__` within :func:`bounded_repr`'s budget (for values not yet checked)."""
-        return f"<{self.global_name}{render(self.args)}>" if self.args else f"<{self.global_name}>"
-
-
-_OPAQUE_CLASSES: dict[tuple[str, str], type[Opaque]] = {}
-
-
-def _opaque_class(module: str, qualname: str) -> type[Opaque]:
-    cls = _OPAQUE_CLASSES.get((module, qualname))
-    if cls is None:
-        cls = _OPAQUE_CLASSES[(module, qualname)] = type(
-            "Opaque",
-            (Opaque,),
-            {"global_name": f"{module}.{qualname}", "module": module, "qualname": qualname},
-        )
-    return cls
-
-
-def is_opaque(value: Any) -> bool:
-    """True for placeholders of globals the allowlist refused (see :class:`Opaque`)."""
-    return isinstance(value, Opaque)
-
-
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data, allow, unknown, source):
+    def __init__(self, data, allow, unknown, source, limits):
         super().__init__(data if hasattr(data, "read") else io.BytesIO(data))
         self._allow, self._unknown, self._source = allow, unknown, source
+        self._limits = limits
+        # the globals this pickle named so far (counted against the limit), with the
+        # placeholder class of each one outside the allowlist (None for the others)
+        self._named: dict[tuple[str, str], type[Opaque] | None] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         module, name = python3_name(module, name)
+        self._count(module, name)
         full = f"{module}.{name}"
         try:
             return _sealed(self._allow[full])
         except KeyError:
             pass
         if self._unknown == "opaque":
-            return _opaque_class(module, name)
+            cls = self._named.get((module, name))
+            if cls is None:
+                cls = self._named[(module, name)] = opaque_class(module, name)
+            return cls
         raise UnsafePickleError(
             f"{self._source}: pickle references {full}, which is not on the allowlist; "
             "nothing was imported or run",
@@ -488,6 +423,22 @@ class _Unpickler(pickle.Unpickler):
             return pid[1]
         raise UnsafePickleError(f"{self._source}: unexpected persistent id {bounded_repr(pid)}")
 
+    def _count(self, module: str, name: str) -> None:
+        """Refuse a global named in more than ``limits.max_global_name`` characters (checked
+        before they are joined) or past ``limits.max_globals`` distinct ones: each may become a
+        class (a placeholder, a TorchScript class) that costs ~3 KB for 10 bytes of pickle."""
+        limits, named = self._limits, self._named
+        if len(module) + len(name) > limits.max_global_name:
+            raise limit_error(
+                self._source,
+                f"a global named in {len(module) + len(name)} characters "
+                f"(limit {limits.max_global_name})",
+            )
+        if (module, name) not in named:
+            if len(named) >= limits.max_globals:
+                raise limit_error(self._source, f"more than {limits.max_globals} distinct globals")
+            named[(module, name)] = None
+
 
 @contextlib.contextmanager
 def paused_gc(*, promote: bool = False) -> Iterator[None]:
@@ -521,10 +472,12 @@ def safe_loads(
 ) -> Any:
     """Unpickle ``data`` (bytes or a binary file) resolving globals only through ``allow``.
 
-    ``source`` names the input in errors; ``unknown="opaque"`` keeps refused globals as
+    ``source`` names the input (the file, and the key when known) in every error raised
+    while loading, a stand-in's too; ``unknown="opaque"`` keeps refused globals as
     :class:`Opaque` placeholders instead of raising :class:`UnsafePickleError`. ``limits``
     (:data:`~ckptkit.decoding.pickle_limits.METADATA_LIMITS`, ``RECORD_LIMITS``, ``OBJECT_LIMITS``)
-    caps input size, memo, container sizes and nesting; a pickle beyond them raises
+    caps input size, memo, container sizes, nesting and the globals named (how many, how
+    long); a pickle beyond them raises
     :class:`~ckptkit.errors.LimitExceededError` before it allocates or recurses (see
     :mod:`ckptkit.decoding.pickle_limits`).
     """
@@ -543,20 +496,27 @@ def safe_loads(
                 scan_pieces(pieces, limits, source)
             stream = stream_over(pieces)
             del pieces  # the stream holds the only references now
-            value = run_with_stack(levels, _Unpickler(stream, allow, unknown, source).load)
+            unpickler = _Unpickler(stream, allow, unknown, source, limits)
+            value = run_with_stack(levels, unpickler.load)
             if limits.check_value:
                 check_value(value, limits, source)
             return value
-    except UnsafePickleError as exc:  # stand-ins refuse without knowing the source: name it
-        if source in str(exc):
-            raise
-        raise type(exc)(f"{source}: {exc}", global_name=exc.global_name) from None
-    except CheckpointError:
+    except CheckpointError as exc:  # stand-ins refuse without knowing the source: name it
+        _name_source(exc, source)
         raise
     except Exception as exc:  # malformed input raises all sorts of things
         raise CorruptRecordError(
             f"{source}: cannot unpickle: {type(exc).__name__}: {_exception_text(exc)}"
         ) from exc
+
+
+def _name_source(exc: CheckpointError, source: str) -> None:
+    """Put ``source`` (the file, and the key when the caller knows it) at the head of ``exc``'s
+    message, unless the message names it already; in place, so its class, cause and attributes
+    (``global_name``) stay as the stand-in raised them."""
+    text = str(exc)
+    if source not in text:
+        exc.args = (f"{source}: {text}",)
 
 
 def _exception_text(exc: Exception) -> str:

@@ -19,7 +19,7 @@ The caps are in :mod:`.limits`, the scan in :mod:`.opcodes`, the simulation in
 from __future__ import annotations
 
 from .deep_stack import NESTING_OPCODES, nesting_bound, run_with_stack
-from .limits import METADATA_LIMITS, OBJECT_LIMITS, RECORD_LIMITS, Limits
+from .limits import METADATA_LIMITS, OBJECT_LIMITS, RECORD_LIMITS, Limits, limit_error
 from .opcodes import scan, scan_pieces
 from .simulation import ATOM, PASS, TUPLE, UNKNOWN, simulate
 from .walk import check_value
@@ -35,6 +35,7 @@ __all__ = [
     "UNKNOWN",
     "Limits",
     "check_value",
+    "limit_error",
     "nesting_bound",
     "run_with_stack",
     "scan",

@@ -26,6 +26,13 @@ class Limits:
     max_items: int = 1 << 26
     #: Bytes of one integer (LONG1/LONG4); ``repr`` refuses ints above 4300 digits anyway.
     max_int_bytes: int = 1024
+    #: Distinct globals one pickle may name. One outside the allowlist becomes a placeholder
+    #: class (a TorchScript class name too): ~3 KB each, for ~10 bytes of pickle.
+    max_globals: int = 4096
+    #: Characters of a global's module and name together (a placeholder keeps them, and every
+    #: lookup joins them: a long memoized module name reused by each global would cost its
+    #: length again and again). Python's own qualified names are far shorter.
+    max_global_name: int = 4096
     #: Pickles up to this size (or with at most 4096 nesting opcodes) have their tuple nesting
     #: computed exactly before loading. Larger ones load on a thread with a stack deep enough
     #: for any nesting they could build: they cannot crash, but tuples sharing their halves

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from ...catalog.model import Chunk, Encoding, Entry, Record
@@ -44,6 +46,16 @@ METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _TRANSFORMS = {"stream.zstd/1": "zstd"}
+#: Transforms one record may name (torch's writer applies at most a couple).
+_MAX_TRANSFORMS = 16
+#: Dimensions of a tensor, at most (torch sets no limit; shapes and chunk boxes longer than
+#: this are refused, as one shared by every chunk would cost its length per chunk).
+_MAX_NDIM = 64
+#: Parts of a planner_data path (state-dict nesting), at most; a longer one is ignored, as one
+#: in bad shape is (the key is then its own path).
+_MAX_PATH = METADATA_LIMITS.max_depth
+_SEQUENCES = (tuple, list)
+_OFFSETS, _SIZES = attrgetter("offsets"), attrgetter("sizes")
 
 
 class _Stub:
@@ -148,10 +160,19 @@ class _StorageInfo(Record):
                 state.get("length"),
             )
             descriptors = state.get("transform_descriptors")
-        self.transform = "+".join(map(_transform, descriptors)) if descriptors else None
+        self.transform = _transforms(descriptors) if descriptors else None
         self.encoding = Encoding.TORCH_SAVE
         self.name = self.stride = self.crc32 = None
         self.storage_offset = 0
+
+
+def _transforms(descriptors: Any) -> str:
+    """A record's transform descriptors (torch writes a short list of strings) as the record's
+    transform names them; anything else as bounded text, not walked (a list shared by every
+    record, millions of items long, would be walked once per record)."""
+    if type(descriptors) in _SEQUENCES and len(descriptors) <= _MAX_TRANSFORMS:
+        return "+".join(map(_transform, descriptors))
+    return bounded_repr(descriptors)
 
 
 def _transform(descriptor: Any) -> str:
@@ -365,7 +386,11 @@ class _MetadataUnion:
             if not isinstance(fqn, str):
                 raise FormatError(f"{source}: non-string key {bounded_repr(fqn)}")
             path = planner_data.get(fqn)
-            if not (isinstance(path, tuple | list) and path and all(map(_is_part, path))):
+            if not (
+                isinstance(path, tuple | list)
+                and 0 < len(path) <= _MAX_PATH
+                and all(map(_is_part, path))
+            ):
                 path = (fqn,)
             self.paths.setdefault(fqn, tuple(path))
             if isinstance(item, _BytesStorageMetadata):
@@ -395,8 +420,14 @@ class _MetadataUnion:
         chunks = item.get("chunks") or []
         if not isinstance(chunks, list) or not all(
             type(chunk) is _ChunkStorageMetadata for chunk in chunks
-        ):  # their offsets and sizes are checked by the catalog builder
+        ):
             raise FormatError(f"{source}: tensor {fqn!r} has a malformed chunk")
+        if not _numbers_only(chunks):  # the catalog builder checks the numbers' values
+            chunk = next((c for c in chunks if not _numbers_only([c])), chunks[0])
+            raise FormatError(
+                f"{source}: tensor {fqn!r} has a malformed chunk at {bounded_repr(chunk.offsets)} "
+                f"of size {bounded_repr(chunk.sizes)} (not sequences of at most {_MAX_NDIM} ints)"
+            )
         return chunks
 
     def _attach(
@@ -425,7 +456,7 @@ class _MetadataUnion:
                 and info.offset >= 0
                 and info.length >= 0
             ):
-                raise FormatError(f"{source}: {fqn!r} has a malformed storage record")
+                raise FormatError(f"{source}: {_shown_key(fqn)} has a malformed storage record")
             rank = ranks.get(file, -1)
             if rank == -1:
                 _check_file_name(self.storage, source, fqn, file)
@@ -472,7 +503,8 @@ class _MetadataUnion:
         if fqn not in by_offsets:
             by_offsets[fqn] = {c.offsets: c for c in chunks if _is_box(c.offsets, None)}
         offset = index.offset
-        offset = tuple(offset) if isinstance(offset, list | tuple) else None
+        fits = isinstance(offset, list | tuple) and len(offset) <= _MAX_NDIM
+        offset = tuple(offset) if fits else None
         chunk = by_offsets[fqn].get(offset) if _is_box(offset, len(self.kinds[fqn][2])) else None
         if chunk is None:
             raise FormatError(
@@ -522,10 +554,34 @@ def _check_file_name(storage: Storage, source: str, fqn: str, name: str) -> None
         raise UnsafePathError(f"{source}: {fqn!r} has a record in {name!r}: {exc}") from None
 
 
+def _numbers_only(chunks: list[Chunk]) -> bool:
+    """Every chunk's offsets and sizes are tuples (or lists) of at most :data:`_MAX_NDIM` ints,
+    so comparing, hashing and printing them is cheap whatever else the pickle built (a deep
+    shared list would take 2**depth steps). Their values (signs, lengths, the box inside the
+    tensor) are the catalog builder's to check. Column-wise in C builtins: 500k chunks at scale."""
+    boxes = [*map(_OFFSETS, chunks), *map(_SIZES, chunks)]
+    if not boxes:
+        return True
+    if not {*map(type, boxes)}.issubset(_SEQUENCES) or max(map(len, boxes)) > _MAX_NDIM:
+        return False
+    try:  # a float makes the sum a float; anything else not an int makes it fail
+        return type(sum(chain.from_iterable(boxes))) is int
+    except TypeError:
+        return False
+
+
+def _shown_key(fqn: Any) -> str:
+    """A key as an error names it: a string as ``repr`` shows it, anything else bounded."""
+    return repr(fqn) if type(fqn) is str else bounded_repr(fqn)
+
+
 def _is_box(value: Any, ndim: int | None) -> bool:
-    """A tuple of non-negative ints (of length ``ndim`` when given). Called for every chunk, so
-    it leans on C builtins: a float or a string anywhere makes the sum fail to be an int."""
-    if type(value) is not tuple or (ndim is not None and len(value) != ndim):
+    """A tuple of non-negative ints (of length ``ndim`` when given, else at most
+    :data:`_MAX_NDIM`). Called for every chunk, so it leans on C builtins: a float or a string
+    anywhere makes the sum fail to be an int."""
+    if type(value) is not tuple or len(value) > _MAX_NDIM:
+        return False
+    if ndim is not None and len(value) != ndim:
         return False
     try:
         return not value or (type(sum(value)) is int and min(value) >= 0)
