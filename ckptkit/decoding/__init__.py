@@ -7,6 +7,7 @@ __all__ = [
     "known_objects",
     "pickle_limits",
     "pickle_stream",
+    "placeholders",
     "record_layouts",
     "records",
     "run_config",
