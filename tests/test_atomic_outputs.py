@@ -130,11 +130,11 @@ def test_permission_error_while_committing_leaves_the_destination_as_it_was(
     real_replace = os.replace
     calls = []
 
-    def refuse_second(a, b):
+    def refuse_second(a, b, **dir_fds):
         calls.append(b)
         if len(calls) == 2:
             raise PermissionError(errno.EACCES, "Permission denied", b)
-        return real_replace(a, b)
+        return real_replace(a, b, **dir_fds)
 
     monkeypatch.setattr(storage_module.os, "replace", refuse_second)
     with pytest.raises(PermissionError):

@@ -733,10 +733,10 @@ def test_a_refused_rename_keeps_permission_error_and_restores(tmp_path, monkeypa
     (dst / "a.pt").write_bytes(b"old a")
     real_replace = os.replace
 
-    def refuse(src, target):
+    def refuse(src, target, **dir_fds):
         if str(target).endswith("b.pt"):
             raise PermissionError(errno.EACCES, "Permission denied", str(target))
-        return real_replace(src, target)
+        return real_replace(src, target, **dir_fds)
 
     monkeypatch.setattr(storage_module.os, "replace", refuse)
     destination = Storage(str(dst))

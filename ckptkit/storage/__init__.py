@@ -34,8 +34,12 @@ The modules, one concern each (constants and helpers are looked up, and patched,
 - :mod:`~ckptkit.storage.remote`: the fsspec filesystem factory, the I/O pool, large ranges in
   pieces, the sequential remote stream;
 - :mod:`~ckptkit.storage.retry`: the retry loop and the translation of store errors;
-- :mod:`~ckptkit.storage.atomic`: :class:`AtomicOutput` / :func:`atomic_output` and the clean-up
-  of staging folders;
+- :mod:`~ckptkit.storage.atomic`: :class:`AtomicOutput` / :func:`atomic_output`: staged outputs
+  published by a journal, all or nothing;
+- :mod:`~ckptkit.storage.recovery`: owners, journals, and what the next run does with a killed
+  run's staging (finish nothing half: roll back, remove);
+- :mod:`~ckptkit.storage.anchored`: the one path walker: folders opened component by component
+  without following links, every move, unlink and removal relative to a folder descriptor;
 - :mod:`~ckptkit.storage.protocol`: :class:`Store` and :class:`Output`, the interfaces above.
 """
 

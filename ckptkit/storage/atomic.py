@@ -1,16 +1,22 @@
-"""All-or-nothing outputs: files staged under temporary names and renamed (or uploaded) into
-place on commit, and the staging folders of killed runs removed by the next run."""
+"""All-or-nothing outputs: files staged under temporary names and put in place on commit, so a
+killed, failing or refused run leaves the destination as it was, or complete.
+
+Local destinations stage in a hidden ``.ckptkit-tmp-*`` folder inside them; on commit a journal
+beside it lists the files first, each file is renamed into place (what it replaces kept by a hard
+link until the end), and the journal goes last. Remote destinations stage in the local
+temporary folder and upload on commit, the journal there. A later run settles what a killed one
+left (:mod:`.recovery`): rolled back if its journal is still there, else just removed. Every
+rename, link and removal in the destination or a staging folder goes through
+:mod:`.anchored`: never through a symbolic link.
+"""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import errno
-import json
 import os
 import posixpath
-import shutil
-import socket
 import stat
 import tempfile
 import threading
@@ -24,7 +30,10 @@ from ..errors import (
     OutputExistsError,
     OutputNameError,
 )
+from . import recovery
+from .anchored import entry_status, folder_of, fsync_file, open_anchor, open_folder, remove_tree
 from .names import name_problem
+from .recovery import REPLACED_DIR
 from .retry import error_summary
 from .store import Storage
 
@@ -34,10 +43,6 @@ __all__ = ["REMOTE_STAGING_PREFIX", "STAGING_PREFIX", "AtomicOutput", "atomic_ou
 #: staging folder in the local temporary directory.
 STAGING_PREFIX = ".ckptkit-tmp-"
 REMOTE_STAGING_PREFIX = "ckptkit-"
-#: Inside a staging folder: who owns it (pid, host, process start), so a rerun can remove the
-#: folders of killed runs; and where files replaced on commit are kept until it succeeds.
-_OWNER_FILE = ".ckptkit-owner"
-_REPLACED_DIR = ".ckptkit-replaced"
 #: What the usual write errors mean, for messages.
 _WRITE_REASONS = {
     errno.ENOSPC: "no space left on the device",
@@ -49,7 +54,14 @@ _WRITE_REASONS = {
     errno.EFBIG: "file too large for the file system",
     errno.EIO: "input/output error",
     errno.EISDIR: "a folder has that name",
+    errno.ELOOP: "a symbolic link is in the way, and is not followed",
+    errno.ENOTDIR: "a file is where a folder should be",
 }
+
+#: When a process started, as the owner checks tell (looked up here by older callers).
+_process_start = recovery.process_start
+#: ``published`` entries: a name and where the file it replaced was kept (local), if any.
+_Published = list[tuple[str, str | None]]
 
 
 class _DestinationPermissionError(DestinationError, PermissionError):
@@ -57,16 +69,18 @@ class _DestinationPermissionError(DestinationError, PermissionError):
 
 
 class AtomicOutput:
-    """Files written into a destination all-or-nothing: under temporary names, renamed on commit.
+    """Files written into a destination all-or-nothing: under temporary names, put in place on
+    commit.
 
     Local destinations get a hidden ``.ckptkit-tmp-*`` folder inside them (so the final rename
     stays on one file system); other stores get a local staging folder whose files are uploaded
     on commit, each appearing whole under its final key (and removed again if a later upload
     fails). Nothing exists under a final name until :meth:`commit`; :meth:`discard` removes every
-    temporary file, and so does :meth:`commit` whether it succeeds or not. Each staging folder
-    records its owner process, and a new AtomicOutput removes the staging folders of owners that
-    are gone (a run killed mid-write). Output names must be safe relative names
-    (:class:`OutputNameError`); write errors come out as :class:`DestinationError`.
+    temporary file, and so does :meth:`commit` whether it succeeds or not. A staging folder's
+    name records its owner process, and a new AtomicOutput first settles what owners that are
+    gone left (a run killed mid-write or mid-commit, see :mod:`.recovery`). Output names must be
+    safe relative names (:class:`OutputNameError`); write errors come out as
+    :class:`DestinationError`.
     """
 
     def __init__(self, destination: Storage, *, overwrite: bool = False) -> None:
@@ -77,6 +91,8 @@ class AtomicOutput:
         self._dirs: set[str] = set()  # parent folders of the names, for clashes with files
         self._created: list[str] = []  # folders made for the destination, innermost first
         self._lock = threading.Lock()
+        self._journal: str | None = None  # beside the staging folder while publishing
+        self._stuck = False  # a take-back failed: the journal stays for the next run
         try:
             if self.local:
                 self._created = _missing_folders(destination.root)
@@ -84,14 +100,14 @@ class AtomicOutput:
                 parent, prefix = destination.root, STAGING_PREFIX
             else:
                 parent, prefix = tempfile.gettempdir(), REMOTE_STAGING_PREFIX
-            _remove_stale_staging(
-                parent, prefix, restore_into=destination.root if self.local else None
-            )
-            self.staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+            self._parent = parent
+            recovery.settle_stale(parent, prefix, destination)
+            self.staging = tempfile.mkdtemp(prefix=recovery.owned_prefix(prefix), dir=parent)
         except OSError as exc:
             raise self._error("", exc) from exc
+        self._staging_name = os.path.basename(self.staging)
         try:
-            _write_owner(self.staging)
+            recovery.write_owner(self.staging)
         except OSError as exc:
             self.discard()
             raise self._error("", exc) from exc
@@ -154,7 +170,7 @@ class AtomicOutput:
                 f"{self.destination.describe(name)}: a file and a folder of files would share "
                 "this name"
             )
-        path = os.path.join(self.staging, name)
+        path = os.path.join(self.staging, name)  # in a folder of our own (mode 0700)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             stream = builtins.open(path, "wb")  # noqa: SIM115 (the caller closes it)
@@ -165,7 +181,7 @@ class AtomicOutput:
         return _OutputFile(stream, self, name)  # type: ignore[return-value]
 
     def commit(self) -> None:
-        """Move every written file to its final name, all or nothing: if one fails, those
+        """Put every written file under its final name, all or nothing: if one fails, those
         already in place are taken back (local files they replaced are restored; replaced
         objects in a remote store are not) and the error is raised. The staging folder is
         removed in every case."""
@@ -174,30 +190,120 @@ class AtomicOutput:
         finally:
             self.discard()
 
-    def publish(self) -> list[tuple[str, str | None]]:
+    def publish(self) -> _Published:
         """:meth:`commit` without the clean-up: every file in place or (on error) none, and
         what was published for :meth:`withdraw`, should a later step (another rank's
-        publishing) fail. :meth:`discard` must follow."""
+        publishing) fail. :meth:`discard` must follow; until then a journal lists the files,
+        so a run killed meanwhile is rolled back by the next one."""
         self.refuse_existing(self.names)
-        published: list[tuple[str, str | None]] = []  # (name, backup of what it replaced)
+        self._write_journal()
+        published: _Published = []
         try:
             for name in self.names:
                 published.append((name, self._publish(name)))
+            if self.local:
+                self._flush_folders()
         except BaseException:
             self.withdraw(published)
             raise
         return published
 
-    def withdraw(self, published: list[tuple[str, str | None]]) -> None:
-        """Take back files :meth:`publish` put in place (best effort, newest first)."""
+    def _anchors_opened(self) -> tuple[int, int]:
+        """Descriptors of the staging folder's parent (the destination, or the temporary
+        folder) and of the staging folder, opened without following a link; the caller
+        closes them."""
+        parent = open_anchor(self._parent)
+        try:
+            return parent, open_folder(self._staging_name, parent)
+        except BaseException:
+            os.close(parent)
+            raise
+
+    @contextlib.contextmanager
+    def _anchors(self) -> Iterator[tuple[int, int]]:
+        """:meth:`_anchors_opened`, closed after the block."""
+        parent, staging = self._anchors_opened()
+        try:
+            yield parent, staging
+        finally:
+            os.close(staging)
+            os.close(parent)
+
+    def _write_journal(self) -> None:
+        """Flush the staged files and write the journal listing them (for a local destination:
+        each staged file's identity, and whether it replaces one; for a remote one: whether the
+        names were free, so a rollback may delete them)."""
+        files: list[dict[str, Any]] = []
+        name = ""
+        try:
+            parent, staging = self._anchors_opened()
+        except OSError as exc:
+            raise self._error("", exc) from exc
+        try:
+            if self.local:
+                root = parent
+                for name in self.names:
+                    with folder_of(staging, name) as (folder, leaf):
+                        status = entry_status(leaf, folder)
+                        if status is None or not stat.S_ISREG(status.st_mode):
+                            raise FileNotFoundError(
+                                errno.ENOENT, "the staged file is gone", self.destination.path(name)
+                            )
+                        fsync_file(leaf, folder)
+                    files.append(
+                        {
+                            "name": name,
+                            "device": status.st_dev,
+                            "inode": status.st_ino,
+                            "replaced": self._final_status(root, name) is not None,
+                        }
+                    )
+                record: dict[str, Any] = {"files": files}
+            else:
+                record = {
+                    "destination": recovery.destination_id(self.destination),
+                    "files": [{"name": n} for n in self.names],
+                    "remove_on_rollback": not self.overwrite,  # the names were free
+                }
+            name = ""
+            self._journal = recovery.write_journal(parent, self._staging_name, record)
+        except OSError as exc:
+            raise self._error(name, exc) from exc
+        finally:
+            os.close(staging)
+            os.close(parent)
+
+    def _final_status(self, root: int, name: str) -> os.stat_result | None:
+        """What the destination holds under ``name`` (None: nothing, or no folder for it)."""
+        try:
+            with folder_of(root, name) as (folder, leaf):
+                return entry_status(leaf, folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def withdraw(self, published: _Published) -> None:
+        """Take back files :meth:`publish` put in place (best effort, newest first); if one
+        cannot be, the journal stays, and the next run finishes taking them back."""
+        failed = False
         for name, backup in reversed(published):
-            with contextlib.suppress(Exception):
+            try:
                 self._take_back(name, backup)
+            except Exception:
+                failed = True
+        if self._journal is None:
+            return
+        if failed:
+            self._stuck = True
+            return
+        with contextlib.suppress(OSError), self._anchors() as (parent, _):
+            recovery.remove_journal(parent, self._journal)
+            self._journal = None
 
     def _publish(self, name: str) -> str | None:
-        """Put ``name`` in place; the path where a local file it replaced was kept, if any."""
-        staged, final = os.path.join(self.staging, name), self.destination.path(name)
+        """Put ``name`` in place; where (under the staging folder) the local file it replaced
+        was kept, if any."""
         if not self.local:
+            staged, final = os.path.join(self.staging, name), self.destination.path(name)
             try:
                 self.destination._call(name, self.destination.fs.put_file, staged, final)
             except AccessDeniedError:
@@ -206,51 +312,111 @@ class AtomicOutput:
                 raise self._error(name, exc) from exc
             return None
         try:
-            return self._replace_local(name, staged, final)
+            return self._replace_local(name)
         except OSError as exc:
             raise self._error(name, exc) from exc
 
-    def _replace_local(self, name: str, staged: str, final: str) -> str | None:
-        """Rename ``staged`` to ``final``; what ``final`` held is kept in the staging folder (a
-        hard link where the file system allows, so ``final`` is never absent, even for a
-        moment)."""
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        if os.path.isdir(final) and not os.path.islink(final):
-            raise IsADirectoryError(errno.EISDIR, "a folder is not replaced by a file", final)
-        backup = None
-        if os.path.lexists(final):
-            backup = os.path.join(self.staging, _REPLACED_DIR, name)
-            os.makedirs(os.path.dirname(backup), exist_ok=True)
+    def _replace_local(self, name: str) -> str | None:
+        """Rename the staged ``name`` to its final name (folders made, never through a link);
+        what the final name held is kept in the staging folder (a hard link where the file
+        system allows, so the final name is never absent, even for a moment)."""
+        with contextlib.ExitStack() as stack:
+            root, staging = stack.enter_context(self._anchors())
+            folder, leaf = stack.enter_context(folder_of(root, name, create=True))
+            staged_folder, staged_leaf = stack.enter_context(folder_of(staging, name))
+            existing = entry_status(leaf, folder)
+            if existing is not None and stat.S_ISDIR(existing.st_mode):
+                raise IsADirectoryError(
+                    errno.EISDIR, "a folder is not replaced by a file", self.destination.path(name)
+                )
+            backup = None
+            if existing is not None:
+                backup = f"{REPLACED_DIR}/{name}"
+                kept, kept_leaf = stack.enter_context(folder_of(staging, backup, create=True))
+                try:
+                    os.link(
+                        leaf, kept_leaf, src_dir_fd=folder, dst_dir_fd=kept, follow_symlinks=False
+                    )
+                except OSError:
+                    os.rename(leaf, kept_leaf, src_dir_fd=folder, dst_dir_fd=kept)
             try:
-                os.link(final, backup, follow_symlinks=False)
-            except OSError:
-                os.replace(final, backup)
-        try:
-            os.replace(staged, final)
-        except BaseException:
-            if backup is not None:
-                os.replace(backup, final)
-            raise
-        return backup
+                os.replace(staged_leaf, leaf, src_dir_fd=staged_folder, dst_dir_fd=folder)
+            except BaseException:
+                if backup is not None:
+                    os.replace(kept_leaf, leaf, src_dir_fd=kept, dst_dir_fd=folder)
+                raise
+            return backup
+
+    def _flush_folders(self) -> None:
+        """Make the renames durable: flush every folder that received an output."""
+        with contextlib.ExitStack() as stack:
+            root, _ = stack.enter_context(self._anchors())
+            for folder in sorted({posixpath.dirname(name) for name in self.names}):
+                if not folder:
+                    os.fsync(root)
+                    continue
+                with folder_of(root, f"{folder}/-") as (fd, _leaf):
+                    os.fsync(fd)
 
     def _take_back(self, name: str, backup: str | None) -> None:
-        final = self.destination.path(name)
         if not self.local:
-            self.destination._call(name, self.destination.fs.rm_file, final)
-        elif backup is not None:
-            os.replace(backup, final)
-        else:
-            os.remove(final)
+            self.destination._call(name, self.destination.fs.rm_file, self.destination.path(name))
+            return
+        with contextlib.ExitStack() as stack:
+            root, staging = stack.enter_context(self._anchors())
+            folder, leaf = stack.enter_context(folder_of(root, name))
+            if backup is None:
+                os.unlink(leaf, dir_fd=folder)
+                return
+            kept, kept_leaf = stack.enter_context(folder_of(staging, backup))
+            os.replace(kept_leaf, leaf, src_dir_fd=kept, dst_dir_fd=folder)
 
     def discard(self) -> None:
         """Remove the staging folder and everything in it, and the destination folders this
-        output created if they stayed empty (an interrupted run leaves nothing behind)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
+        output created if they stayed empty (an interrupted run leaves nothing behind). After
+        :meth:`publish`, this is the commit: the journal goes once nothing of the run is needed
+        to roll it back, and last where nothing was replaced (whatever stops this process first,
+        the next run then rolls it back)."""
+        if self._stuck:
+            return  # the next run finishes taking the published files back
+        with contextlib.suppress(OSError):
+            anchor = open_anchor(self._parent)
+            try:
+                if self._journal is None:
+                    remove_tree(anchor, self._staging_name)
+                else:
+                    self._finish(anchor, self._journal)
+            finally:
+                os.close(anchor)
         for folder in self._created:
             try:
                 os.rmdir(folder)  # only when empty: never what someone else put there
             except OSError:
                 break
+
+    def _finish(self, anchor: int, journal: str) -> None:
+        """Remove a published run's staging folder and journal: the journal last when nothing
+        was replaced; else (or when the staging folder would not go) the journal first,
+        flushed, then the rest, so a rollback never lacks the files kept of replaced ones and
+        a published output is never rolled back for a clean-up that failed."""
+        staging = self._staging_name
+        self._created = []  # they hold the output now
+        try:
+            remove_tree(anchor, staging, keep=frozenset({REPLACED_DIR}))
+            folder = open_folder(staging, anchor)
+            try:
+                replaced = entry_status(REPLACED_DIR, folder) is not None
+            finally:
+                os.close(folder)
+            if not replaced:
+                os.rmdir(staging, dir_fd=anchor)
+        except OSError:
+            replaced = True
+        recovery.remove_journal(anchor, journal)
+        self._journal = None
+        if replaced:
+            os.fsync(anchor)
+            remove_tree(anchor, staging)
 
 
 def _missing_folders(path: str) -> list[str]:
@@ -325,87 +491,3 @@ def atomic_output(destination: Storage, *, overwrite: bool = False) -> Iterator[
         output.discard()
         raise
     output.commit()
-
-
-# -- staging folders left behind by killed runs -------------------------------------------------
-
-
-def _process_start(pid: int) -> str | None:
-    """When process ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks since boot), to
-    tell a live owner from a later process that reuses its pid; None where /proc is missing."""
-    try:
-        with builtins.open(f"/proc/{pid}/stat", "rb") as handle:
-            text = handle.read(4096).decode("ascii", "replace")
-        return text[text.rindex(")") + 2 :].split()[19]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _write_owner(staging: str) -> None:
-    """Record in ``staging`` which process on which host owns it."""
-    pid = os.getpid()
-    owner = {"pid": pid, "host": socket.gethostname(), "start": _process_start(pid)}
-    with builtins.open(os.path.join(staging, _OWNER_FILE), "w", encoding="utf-8") as handle:
-        json.dump(owner, handle)
-
-
-def _owner_gone(staging: str) -> bool:
-    """Whether the process that owns ``staging`` is known to be gone: it ran on this host and
-    its pid is free or now another process's. False when unsure (no or unreadable owner file —
-    perhaps being written —, another host, another user's process)."""
-    try:
-        fd = os.open(
-            os.path.join(staging, _OWNER_FILE),
-            os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW,
-        )
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return False
-            owner = json.loads(os.read(fd, 4096))
-        finally:
-            os.close(fd)
-    except (OSError, ValueError):
-        return False
-    if not isinstance(owner, dict) or owner.get("host") != socket.gethostname():
-        return False
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: alive, another user's
-        return False
-    started = _process_start(pid)
-    return owner.get("start") is not None and started is not None and started != owner["start"]
-
-
-def _remove_stale_staging(parent: str, prefix: str, *, restore_into: str | None) -> None:
-    """Remove the ``prefix*`` staging folders in ``parent`` whose owner is gone. Files they hold
-    under ``.ckptkit-replaced/`` (a destination's earlier outputs, moved aside during a commit
-    that was killed) go back under ``restore_into`` where their name is free."""
-    try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
-    except OSError:
-        return
-    for entry in entries:
-        with contextlib.suppress(OSError):
-            if not entry.is_dir(follow_symlinks=False) or not _owner_gone(entry.path):
-                continue
-            if restore_into is not None:
-                _restore_replaced(os.path.join(entry.path, _REPLACED_DIR), restore_into)
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _restore_replaced(replaced: str, destination: str) -> None:
-    """Put files kept in ``replaced`` back under ``destination`` where nothing took their name."""
-    for folder, _, files in os.walk(replaced):
-        for file in files:
-            backup = os.path.join(folder, file)
-            name = os.path.relpath(backup, replaced).replace(os.sep, "/")
-            final = os.path.join(destination, name)
-            if name_problem(name) is None and not os.path.lexists(final):
-                with contextlib.suppress(OSError):
-                    os.makedirs(os.path.dirname(final), exist_ok=True)
-                    os.replace(backup, final)
