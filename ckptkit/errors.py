@@ -29,6 +29,8 @@ __all__ = [
     "DestinationError",
     "UsageError",
     "DistributedError",
+    "MissingCredentialsError",
+    "UnreachableStoreError",
 ]
 
 
@@ -146,3 +148,14 @@ class UsageError(CheckpointError, ValueError):
 class DistributedError(CheckpointError):
     """A job spread over torch.distributed ranks failed: a rank raised (its rank, error type and
     message are named, on every rank) or a rank was lost (died, or missed the timeout)."""
+
+
+class UnreachableStoreError(StorageError, NotACheckpointError):
+    """The store behind a URL cannot be reached: its host is unknown, refuses connections or
+    does not answer. A usage problem (a wrong URL or endpoint), so it is also a
+    :class:`NotACheckpointError`: ``verify`` raises it instead of reporting damage."""
+
+
+class MissingCredentialsError(AccessDeniedError, NotACheckpointError):
+    """The store client found no usable credentials (none set, an unknown profile): nothing was
+    asked of the store. Also a :class:`NotACheckpointError`, as :class:`UnreachableStoreError`."""

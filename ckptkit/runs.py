@@ -12,6 +12,7 @@ re-running a notebook after new steps land reads only the new steps' tensors.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -20,6 +21,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from . import formats
 from .checkpoint import Checkpoint
@@ -34,8 +37,9 @@ from .errors import (
 )
 from .formats.pointers import MAX_STEP_DIRS, checkpoints_below
 from .ops.diff import diff
-from .ops.stats import COLUMNS, select_tensors, tensor_rows
+from .ops.stats import COLUMNS, STAT_COLUMNS, select_tensors, tensor_rows
 from .storage import Storage
+from .storage.private_files import read_private_file, write_private_file
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -214,9 +218,12 @@ class Run:
         times / ETags) and selection in a parquet file: ``cache=True`` keeps it under
         ``$CKPTKIT_CACHE`` (default ``~/.cache/ckptkit``) named after the run's URL, a path
         names the file, False turns caching off. A checkpoint whose files changed is read
-        again. A step that cannot be read is left out with a warning (and not cached), so a
-        checkpoint still being written does not stop the audit; ``frame.attrs`` lists the
-        steps ``read``, those taken from the ``cached`` file, and those ``failed``.
+        again; a cache file that cannot be trusted (damaged, of the wrong column types, a link,
+        another user's) is ignored with a warning and recomputed. A step that cannot be read is
+        left out with a warning (and not cached), so a checkpoint still being written does not
+        stop the audit; ``frame.attrs`` lists the steps ``read``, those taken from the
+        ``cached`` file, and those ``failed``. A group or glob that matches nothing in any step
+        raises :class:`~ckptkit.errors.KeyNotFoundError` with a suggestion.
         """
         import pandas as pd
 
@@ -225,6 +232,7 @@ class Run:
         cache_file = self._cache_file(cache)
         cached = _load_cache(cache_file)
         frames, read, reused, failed = [], [], [], {}
+        unmatched: dict[str, KeyNotFoundError] = {}  # steps the selection found nothing in
         for c in chosen:
             identity = self._identity(c)
             rows = _cached_rows(cached, identity, selection)
@@ -233,6 +241,10 @@ class Run:
             else:
                 try:
                     rows = self._compute(c, keys, groups, progress)
+                except KeyNotFoundError as exc:
+                    unmatched[c.name] = exc
+                    failed[c.name] = str(exc)
+                    continue
                 except CheckpointError as exc:
                     warnings.warn(f"{self.location(c.name)}: left out: {exc}", stacklevel=2)
                     failed[c.name] = str(exc)
@@ -244,6 +256,10 @@ class Run:
                         rows.assign(checkpoint=c.name, identity=identity, selection=selection),
                     )
             frames.append(rows.assign(step=c.step, checkpoint=c.name))
+        if unmatched and not frames:  # a mistyped group or glob, not an empty run
+            raise next(iter(unmatched.values()))
+        for name, exc in unmatched.items():  # a group some steps lack
+            warnings.warn(f"{self.location(name)}: left out: {exc}", stacklevel=2)
         if cache_file is not None and read:
             _save_cache(cached, cache_file)
         frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -320,21 +336,68 @@ def _selection(keys: Sequence[str] | str | None, groups: Sequence[str] | str | N
 
 
 def _load_cache(path: Path | None) -> pd.DataFrame | None:
-    """The cached rows, or None when there is no (readable) cache file: a damaged cache is
-    recomputed, never trusted."""
-    if path is None or not path.exists():
+    """The cached rows, or None when there is no cache file or it cannot be trusted: a file
+    that is damaged, lacks a column or holds a value of the wrong type (checked column by
+    column), or is a link, not a regular file or another user's, is ignored with a warning
+    and its rows are recomputed."""
+    if path is None:
         return None
     import pandas as pd
 
     try:
-        frame = pd.read_parquet(path)
+        data = read_private_file(path)
+        if data is None:
+            return None
+        frame = pd.read_parquet(io.BytesIO(data))
+        problem = _cache_problem(frame)
     except Exception as exc:  # pyarrow raises its own types for a damaged file
-        warnings.warn(f"{path}: unreadable statistics cache, ignored ({exc})", stacklevel=3)
-        return None
-    if not set(COLUMNS + _CACHE_KEY) <= set(frame.columns):
+        problem = str(exc)
+    if problem is not None:
+        warnings.warn(f"{path}: unreadable statistics cache, ignored ({problem})", stacklevel=3)
         return None
     frame["shape"] = [tuple(int(n) for n in shape) for shape in frame["shape"]]
     return frame
+
+
+#: The cache's columns by the kind of value each holds (``shape``: a list of sizes).
+_TEXT_COLUMNS = ("key", "group", "dtype", *_CACHE_KEY)
+_OPTIONAL_TEXT_COLUMNS = ("fingerprint",)
+_INTEGER_COLUMNS = ("numel",)
+_NUMBER_COLUMNS = tuple(STAT_COLUMNS)
+
+
+def _cache_problem(frame: pd.DataFrame) -> str | None:
+    """What is wrong with a cache file's table (a missing column, a column of the wrong type),
+    or None: rows are compared and returned as they are, so every value is checked first."""
+    import pandas as pd
+
+    missing = [name for name in [*COLUMNS, *_CACHE_KEY] if name not in frame.columns]
+    if missing:
+        return f"missing columns {missing}"
+    for name in _TEXT_COLUMNS:
+        if not all(isinstance(value, str) for value in frame[name]):
+            return f"column {name!r} is not text"
+    for name in _OPTIONAL_TEXT_COLUMNS:
+        if not all(isinstance(value, str) or pd.isna(value) for value in frame[name]):
+            return f"column {name!r} is not text"
+    for name in _INTEGER_COLUMNS:
+        if frame[name].dtype.kind not in "iu":
+            return f"column {name!r} is {frame[name].dtype}, not integers"
+    for name in _NUMBER_COLUMNS:
+        if frame[name].dtype.kind not in "fiu":
+            return f"column {name!r} is {frame[name].dtype}, not numbers"
+    if not all(_is_shape(value) for value in frame["shape"]):
+        return "column 'shape' does not hold lists of sizes"
+    return None
+
+
+def _is_shape(value: Any) -> bool:
+    """Whether ``value`` (as parquet gives a list column back) is a tensor shape."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and value.dtype.kind in "iu" and bool((value >= 0).all())
+    return isinstance(value, list | tuple) and all(
+        isinstance(n, int | np.integer) and not isinstance(n, bool) and n >= 0 for n in value
+    )
 
 
 def _cached_rows(
@@ -365,15 +428,16 @@ def _store(cached: pd.DataFrame | None, rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _save_cache(cached: pd.DataFrame | None, path: Path) -> None:
-    """Write the cache atomically (a temporary file renamed over the old one)."""
+    """Write the cache all at once (:func:`~ckptkit.storage.private_files.write_private_file`:
+    a new file of a random name beside it, then renamed over it); a cache that cannot be
+    written is a warning (the statistics are computed already)."""
     if cached is None:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     out = cached.copy()
     out["shape"] = [list(shape) for shape in out["shape"]]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    buffer = io.BytesIO()
+    out.to_parquet(buffer, index=False)
     try:
-        out.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_private_file(path, buffer.getvalue())
+    except OSError as exc:
+        warnings.warn(f"{path}: statistics cache not saved ({exc})", stacklevel=3)

@@ -83,6 +83,12 @@ CATEGORIES: list[Category] = [
     R("ranks", "*", "ws2 re-saved from 4 spawned ranks", fixture="ws4_resave"),
     R("ranks", "tests/test_notebooks.py::*", "the notebooks' samples", fixture="sample"),
     R("ranks", "tests/test_run.py::*", "a 4-step run trained by ranks", fixture="trained_run"),
+    R(
+        "ranks",
+        "tests/test_errors_and_cache.py::*",
+        "a 2-step run trained by ranks",
+        fixture="run_folder",
+    ),
     R("ranks", "tests/test_many_chunks.py::*", "many chunks from 2 ranks", fixture="many"),
     R("ranks", "tests/test_formats_hf_dcp.py::*", "HF writer, 2 ranks", fixture="hf_written"),
     R("ranks", "tests/test_formats_legacy.py::*", "FSDP1 rank files", fixture="fsdp1"),

@@ -29,10 +29,10 @@ from ..errors import (
     UsageError,
 )
 from ..storage import AtomicOutput, Storage, atomic_output
-from ..units import parse_size
+from ..units import parse_size, plural
 from . import distributed, output_plans, work
 from .output_plans import Copier, Task, WrittenFile
-from .source import Source, open_source
+from .source import Source, open_source, select_entries
 from .writers import torch_save
 
 if TYPE_CHECKING:
@@ -77,10 +77,12 @@ class UnshardResult:
         from ..units import human_bytes
 
         lines = [
-            f"wrote {len(self.files)} files ({human_bytes(self.nbytes)}) to {self.destination}"
+            f"wrote {plural(len(self.files), 'file')} ({human_bytes(self.nbytes)}) to "
+            f"{self.destination}"
         ]
         lines += [
-            f"  {f.name:<40} {human_bytes(f.nbytes):>10}  {f.tensors} tensors, {f.objects} objects"
+            f"  {f.name:<40} {human_bytes(f.nbytes):>10}  {plural(f.tensors, 'tensor')}, "
+            f"{plural(f.objects, 'object')}"
             for f in self.files
         ]
         for title, notes in (
@@ -88,7 +90,7 @@ class UnshardResult:
             ("left out", self.dropped),
         ):
             if notes:
-                lines.append(f"{len(notes)} objects {title}:")
+                lines.append(f"{plural(len(notes), 'object')} {title}:")
                 lines += [f"  {key}: {why}" for key, why in list(notes.items())[:_LISTED]]
                 if len(notes) > _LISTED:
                     lines.append(f"  … and {len(notes) - _LISTED} more")
@@ -283,7 +285,8 @@ class _Options:
 def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options) -> UnshardResult:
     """The pipeline behind unshard and convert: open the source, select the values, plan the
     output files, write this process's share on threads into an output staged on every rank,
-    and gather the files all ranks wrote."""
+    and gather the files all ranks wrote (an interrupt once they are published changes nothing:
+    the result is returned)."""
     work.check_workers(options.workers)
     source = open_source(src, options.storage_options)
     cast = dtypes.dtype(options.dtype) if options.dtype is not None else None
@@ -299,14 +302,18 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     ranks = distributed.current()
     total = sum(task.nbytes for task in tasks)
     label = "convert" if target == "dcp" else "unshard"
-    with (
-        distributed.JobProgress(total, options.progress, label, ranks) as bar,
-        _staged(destination, options.overwrite, ranks) as output,
-    ):
-        output.refuse_existing(names)
-        if target != "dcp":  # a DCP directory's file names name no group
-            _refuse_another_checkpoint(destination, names)
-        written = _run_tasks(tasks, output, source, cast, bar, options.workers, ranks)
+    published = False
+    try:
+        with distributed.JobProgress(total, options.progress, label, ranks) as bar:
+            with _staged(destination, options.overwrite, ranks) as output:
+                output.refuse_existing(names)
+                if target != "dcp":  # a DCP directory's file names name no group
+                    _refuse_another_checkpoint(destination, names)
+                written = _run_tasks(tasks, output, source, cast, bar, options.workers, ranks)
+            published = True
+    except KeyboardInterrupt:  # Ctrl-C once every file is in place: done, not interrupted
+        if not published:
+            raise
     result.files = _gathered(written, ranks)
     return result
 
@@ -417,12 +424,12 @@ def _selected_values(
         raise UsageError(f"objects must be 'keep', 'drop' or 'error', not {policy!r}")
     exclude = options.exclude
     excluded = [exclude] if isinstance(exclude, str) else list(exclude or ())
-    entries = []
+    # A group, key or exclude pattern that matches nothing is an error naming the closest names.
+    entries = select_entries(source, keys, groups, exclude=excluded)
+    kept = {e.key for e in entries}
     for entry in source.catalog.select(keys, groups):
-        pattern = next((p for p in excluded if fnmatch.fnmatchcase(entry.key, p)), None)
-        if pattern is None:
-            entries.append(entry)
-        else:
+        if entry.key not in kept:
+            pattern = next(p for p in excluded if fnmatch.fnmatchcase(entry.key, p))
             result.dropped[entry.key] = f"exclude={pattern!r}"
     if policy != "keep":  # tensors left as objects: an output without them is silently partial
         refuse_tensors_left_as_objects(entries, source.url)
@@ -450,7 +457,11 @@ def _selected_values(
     if not entries:
         raise FormatError(
             f"{source.url}: nothing matches keys={keys!r} groups={groups!r}"
-            + (f" ({len(result.dropped)} entries left out)" if result.dropped else "")
+            + (
+                f" ({plural(len(result.dropped), 'entry', 'entries')} left out)"
+                if result.dropped
+                else ""
+            )
             + f"; {source.catalog.hint(keys, groups)}"
         )
     return entries, {k: v for k, v in values.items() if k not in result.dropped}

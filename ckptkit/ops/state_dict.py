@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..catalog.keys import nest
 from ..errors import FormatError
-from .source import Source, open_source
+from .source import Source, open_source, select_entries
 
 if TYPE_CHECKING:
     import torch
@@ -26,10 +27,11 @@ def load_state_dict(
     """The (selected part of the) checkpoint as the nested dict torch would build, in memory.
 
     Tensors come back as ``torch.Tensor``; objects decoded safely. For whole large checkpoints
-    prefer :func:`ckptkit.unshard`, which streams to disk.
+    prefer :func:`ckptkit.unshard`, which streams to disk. A group or glob that matches nothing
+    raises :class:`~ckptkit.errors.KeyNotFoundError` with a suggestion.
     """
     ckpt = open_source(src, storage_options)
-    entries = ckpt.catalog.select(keys, groups)
+    entries = select_entries(ckpt, keys, groups)
     objects = [e for e in entries if e.kind == "object"]
     values = dict(zip((e.key for e in objects), ckpt.reader.read_objects(objects), strict=True))
     return nest(
@@ -57,14 +59,20 @@ def from_checkpoint(
 
     Checkpoint key ``prefix + name`` feeds ``module.state_dict()[name]`` (copied in place, so
     memory stays at one tensor). With ``strict`` a missing or unexpected key, or a shape/dtype
-    mismatch, raises before anything is copied; otherwise they are reported in the result.
+    mismatch, raises before anything is copied; otherwise they are reported in the result. A
+    ``prefix`` no key starts with raises :class:`~ckptkit.errors.KeyNotFoundError` with a
+    suggestion (it would load nothing).
     """
     import torch
 
     ckpt = open_source(src, storage_options)
     targets = module.state_dict(keep_vars=True)
+    # a prefix no key has fails here, naming the groups there are (not a list of missing keys)
+    entries = (
+        select_entries(ckpt, keys=glob.escape(prefix) + "*") if prefix else ckpt.catalog.tensors()
+    )
     available = {
-        e.key[len(prefix) :]: e for e in ckpt.catalog.tensors() if e.key.startswith(prefix)
+        e.key[len(prefix) :]: e for e in entries if e.kind == "tensor" and e.key.startswith(prefix)
     }
     missing = [name for name in targets if name not in available]
     unexpected = [prefix + name for name in available if name not in targets]

@@ -40,7 +40,7 @@ from ..dtypes import DType
 from ..errors import KeyNotFoundError
 from ..progress import ByteProgress
 from ..reading import Reader, tensor_blocks
-from .source import Source, open_source
+from .source import Source, open_source, select_entries
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -154,9 +154,11 @@ def combine(pairs: Any) -> str:
 def select_tensors(
     source: Source, keys: Sequence[str] | str | None, groups: Sequence[str] | str | None
 ) -> list[Entry]:
-    """The selected tensor entries; a selection matching nothing is an error (a mistyped glob
-    must not look like an empty checkpoint)."""
-    entries = [e for e in source.catalog.select(keys, groups) if e.kind == "tensor"]
+    """The selected tensor entries; a group or glob matching nothing is an error naming it with
+    a suggestion (:func:`select_entries`: a mistyped glob must not look like an empty
+    checkpoint), and so is a selection holding no tensor."""
+    selected = select_entries(source, keys, groups, what="tensor")
+    entries = [e for e in selected if e.kind == "tensor"]
     if not entries and (keys is not None or groups is not None):
         raise KeyNotFoundError(f"{source.url}: no tensor matches keys={keys!r} groups={groups!r}")
     return entries

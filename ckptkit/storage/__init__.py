@@ -40,6 +40,8 @@ The modules, one concern each (constants and helpers are looked up, and patched,
   run's staging (finish nothing half: roll back, remove);
 - :mod:`~ckptkit.storage.anchored`: the one path walker: folders opened component by component
   without following links, every move, unlink and removal relative to a folder descriptor;
+- :mod:`~ckptkit.storage.private_files`: the user's own cache files: created exclusively,
+  never read or written through a link;
 - :mod:`~ckptkit.storage.protocol`: :class:`Store` and :class:`Output`, the interfaces above.
 """
 
