@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from ..storage import Storage
 
+__all__ = ["Detection", "file_location"]
+
 
 @dataclass
 class Detection:

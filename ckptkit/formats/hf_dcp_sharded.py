@@ -38,6 +38,8 @@ from ..limits import first_missing
 from ..storage import Storage
 from .detection import Detection, file_location
 
+__all__ = ["NAME", "SHARDED_DIR", "SHARDING_INFO", "INDEX_SUFFIX", "detect", "describe"]
+
 NAME = "hf_dcp_sharded"
 SHARDED_DIR = "sharded"
 SHARDING_INFO = "DCP_SHARDING_INFO"

@@ -43,6 +43,8 @@ from .parts.rank_sets import TRAIN_GROUP, describe_ranks, rank_files
 from .parts.torch_save_files import leaves
 from .parts.unfinished import check_olmo_config
 
+__all__ = ["NAME", "METADATA", "STATE_PREFIX", "STATE_SEPARATOR", "detect", "describe"]
+
 NAME = "olmo_core_v0"
 METADATA = "metadata.json"
 STATE_PREFIX = "state."

@@ -26,6 +26,17 @@ from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA, read_dcp
 from .parts.rank_sets import TRAIN_GROUP, RankSet, describe_ranks, rank_files
 from .parts.unfinished import check_unfinished, name_reason
 
+__all__ = [
+    "NAME",
+    "DCP_DIR",
+    "TRAIN_DIR",
+    "OLMO_CORE_MARKER",
+    "OLMO_CONFIG",
+    "OLMO_CORE_CONFIG",
+    "detect",
+    "describe",
+]
+
 NAME = "olmo_dcp"
 DCP_DIR = "model_and_optim"
 TRAIN_DIR = "train"

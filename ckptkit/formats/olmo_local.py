@@ -35,6 +35,17 @@ from .parts import torch_save_files
 from .parts.rank_sets import RANK_FILE, TRAIN_GROUP, describe_ranks
 from .parts.unfinished import check_olmo_config
 
+__all__ = [
+    "NAME",
+    "METADATA",
+    "CONFIG",
+    "FSDP_PREFIX",
+    "ShardParamInfo",
+    "MODEL_GLOBALS",
+    "detect",
+    "describe",
+]
+
 NAME = "olmo_local"
 METADATA = "metadata.yaml"
 CONFIG = "config.yaml"

@@ -10,6 +10,8 @@ from ..storage import Storage
 from .detection import Detection, file_location
 from .parts.torch_save_files import describe_files, directory_files, group_of, probe
 
+__all__ = ["NAME", "detect", "describe"]
+
 NAME = "torch_save"
 #: How detection names each kind of file.
 _KINDS = {"zip": "a torch.save zip", "legacy": "a pre-1.6 (non-zip) torch.save file"}

@@ -16,6 +16,8 @@ from typing import Any
 
 from ..parts.dcp_metadata import MEMORY_FORMAT_MEMBERS, MetadataStandin, Standin, restricted_getattr
 
+__all__ = ["MEGATRON_GLOBALS", "mcore_data"]
+
 
 class _MCoreMetadata(MetadataStandin):
     """``MCoreMetadata``: torch's ``Metadata`` plus ``mcore_data`` (per-key Megatron facts,

@@ -26,6 +26,20 @@ from ...decoding.unpickler import StorageRef, safe_loads
 from ...errors import CorruptRecordError, FormatError, LimitExceededError, TruncatedFileError
 from ...storage import Storage
 
+__all__ = [
+    "MAGIC_NUMBER",
+    "PROTOCOL_VERSION",
+    "MAGIC_PREFIX",
+    "HEAD_BYTES",
+    "HEADS_PER_ROUND",
+    "HEADER_BYTES",
+    "is_legacy_head",
+    "Span",
+    "LegacyIndex",
+    "LegacyPickle",
+    "read_legacy",
+]
+
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 #: A pre-1.6 file starts with its pickled magic number: protocol 2 (torch's default), a

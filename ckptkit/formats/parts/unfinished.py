@@ -9,6 +9,8 @@ import warnings
 
 from ...storage import Storage
 
+__all__ = ["name_reason", "check_unfinished", "OLMO_CONFIG", "check_olmo_config"]
+
 
 def name_reason(storage: Storage) -> str | None:
     """Why the directory's name says the save did not finish (``stepN-tmp``), or None."""
