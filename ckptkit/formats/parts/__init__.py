@@ -9,5 +9,4 @@ __all__ = [
     "rank_sets",
     "torch_save_files",
     "unfinished",
-    "unread_files",
 ]
