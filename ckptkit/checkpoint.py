@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import html
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,6 +33,7 @@ def open(
     format: str | None = None,
     cache: Literal["blocks", "files"] | None = None,
     verify_crc: bool = True,
+    allow_roots: Sequence[str | os.PathLike[str]] | None = None,
 ) -> Checkpoint:  # noqa: A001
     """Open the checkpoint at ``url`` (a path or fsspec URL), reading only its metadata.
 
@@ -41,6 +43,9 @@ def open(
     ``verify_crc`` checks every record read against the CRC-32 stored with it (torch.save zip
     members: DCP records, ``*.pt`` storages) and raises :class:`ChecksumError` on a mismatch;
     False skips that for speed (see ``benchmarks/bench_crc.py`` for its cost).
+    A symlink in a local checkpoint may lead only inside it (in a Hugging Face cache snapshot:
+    or to that repository's ``blobs/``); ``allow_roots`` names more folders links may lead into,
+    e.g. ``allow_roots=["/data/ckpts"]`` for a step folder moved there and linked.
     """
     return open_location(
         Checkpoint,
@@ -49,14 +54,20 @@ def open(
         format=format,
         cache=cache,
         verify_crc=verify_crc,
+        allow_roots=allow_roots,
     )
 
 
-def detect(url: str, *, storage_options: dict[str, Any] | None = None) -> Detection:
+def detect(
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_roots: Sequence[str | os.PathLike[str]] | None = None,
+) -> Detection:
     """Which format is at ``url`` and why (``Detection(format, evidence)``), reading only a
     listing and a few bytes; a location that fits no format raises :class:`FormatError`
     listing what was looked for and what was found."""
-    return formats.detect(Storage(url, storage_options))
+    return formats.detect(Storage(url, storage_options, allow_roots=allow_roots))
 
 
 class Checkpoint(Source):
@@ -114,13 +125,21 @@ class Checkpoint(Source):
         return tables.objects_table(self.catalog, values)
 
     def summary(self) -> Summary:
-        """Bytes by group, dtype, file and rank, and the parameter count."""
+        """Bytes by group, dtype, file and rank, and the parameter count, from the metadata
+        alone (no value is read: a missing data file is a line of it, not an error), with the
+        files ckptkit does not read."""
         from .catalog import tables
         from .catalog.model import left_as_objects_warning
 
         warning = left_as_objects_warning(self.catalog.entries.values())
+        objects = tables.objects_table(self.catalog, None)  # keys and groups, no values
         return tables.summarize(
-            self.tensors, self.objects, self.files, self._byte_account, warning=warning
+            self.tensors,
+            objects,
+            self.files,
+            self._byte_account,
+            warning=warning,
+            skipped=self.catalog.facts.skipped_files,
         )
 
     @cached_property
@@ -226,17 +245,19 @@ class Checkpoint(Source):
 
     def __repr__(self) -> str:
         from .catalog.accounting import counted_files
+        from .units import plural
 
         n_tensors = len(self.catalog.tensors())
         n_files = sum(map(len, counted_files(self.catalog)))
         return (
-            f"<Checkpoint {self.format} {self.url!r}: {n_tensors} tensors, "
-            f"{len(self.catalog.entries) - n_tensors} objects, {n_files} files>"
+            f"<Checkpoint {self.format} {self.url!r}: {plural(n_tensors, 'tensor')}, "
+            f"{plural(len(self.catalog.entries) - n_tensors, 'object')}, "
+            f"{plural(n_files, 'file')}>"
         )
 
     def _repr_html_(self) -> str:
         from .catalog.tables import alternates_text, bytes_text, files_text
-        from .units import human_bytes
+        from .units import human_bytes, plural
 
         account = self._byte_account
         frame = self.tensors
@@ -254,7 +275,8 @@ class Checkpoint(Source):
         )  # fmt: skip
         return (
             f"<div><b>{html.escape(self.format)}</b> checkpoint <code>{html.escape(self.url)}</code><br>"
-            f"{len(frame)} tensors, {len(self.catalog.entries) - len(frame)} objects, "
+            f"{plural(len(frame), 'tensor')}, "
+            f"{plural(len(self.catalog.entries) - len(frame), 'object')}, "
             f"{files_text(len(account.files), account.size)} ({bytes_line}); "
             f"stored by group: {groups}{note}<br>largest tensors:{top.to_html(index=False)}</div>"
         )

@@ -2,7 +2,9 @@
 
 Names go through :mod:`~ckptkit.storage.names`, local reads through :mod:`~ckptkit.storage.local`,
 remote ones through :mod:`~ckptkit.storage.remote`, and every store call through
-:mod:`~ckptkit.storage.retry`.
+:mod:`~ckptkit.storage.retry`. Local names are resolved by :class:`~ckptkit.storage.anchored.Beneath`
+(folder by folder from the location's descriptor, links followed by ckptkit only while they stay
+inside the folders the location may read), never by a path check apart from the use.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import posixpath
 import stat
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO, TypeVar
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -33,6 +35,7 @@ from ..errors import (
     UsageError,
 )
 from . import local, remote, retry
+from .anchored import Beneath, Located, NotRegular, OutsideRoots, Root
 from .names import is_http, name_problem
 from .remote import Cache
 
@@ -40,6 +43,7 @@ __all__ = ["COALESCE_GAP", "Storage"]
 
 #: Ranges closer than this are fetched in one request (bytes in between are read and dropped).
 COALESCE_GAP = 0
+_T = TypeVar("_T")
 
 
 class Storage:
@@ -48,6 +52,10 @@ class Storage:
     ``storage_options`` go to fsspec (as in pandas); ``cache="blocks"`` / ``"files"`` keep what
     is read from a remote store in a local temporary cache (fsspec's ``blockcache`` /
     ``filecache``) for repeated work, at the price of reading whole blocks / files.
+
+    Locally, a symlink may lead only to a file inside the location (in a Hugging Face cache
+    snapshot: or to its repository's ``blobs/``); ``allow_roots`` names more folders links may
+    lead into (``allow_roots=["/data/ckpts"]``, links the user made to move a step elsewhere).
     """
 
     def __init__(
@@ -56,8 +64,10 @@ class Storage:
         storage_options: dict[str, Any] | None = None,
         *,
         cache: Cache | None = None,
+        allow_roots: Iterable[str | os.PathLike[str]] | str | os.PathLike[str] | None = None,
         _fs=None,
         _lock: threading.Lock | None = None,
+        _within: tuple[tuple[Root, ...], tuple[str, ...]] | None = None,
     ) -> None:
         self.url = str(url)
         self.storage_options = dict(storage_options or {})
@@ -75,26 +85,50 @@ class Storage:
         self.local = isinstance(_fs, LocalFileSystem)
         self._lock = _lock
         self._http = is_http(self.url)  # names must stay safe once percent-decoded too
+        #: More folders local links may lead into (absolute paths), as given to the constructor.
+        self.allow_roots = _folders(allow_roots)
+        if _within is None:
+            _within = local.readable_roots(self.root, self.allow_roots) if self.local else ((), ())
+        # the folders local reads may lead into (the first: where names start), and the names
+        # from it down to this location (a sub-directory, or a file of a cache snapshot)
+        self._roots, self._prefix = _within
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
-    def _sibling(self, root: str, url: str) -> Storage:
-        other = Storage(root, self.storage_options, cache=self.cache, _fs=self.fs, _lock=self._lock)
+    def _sibling(self, root: str, url: str, prefix: tuple[str, ...] | None = None) -> Storage:
+        """A Storage at ``root`` on the same filesystem; ``prefix``: names from this one's first
+        readable folder down to it (it then reads inside the same folders), else its own."""
+        other = Storage(
+            root,
+            self.storage_options,
+            cache=self.cache,
+            allow_roots=self.allow_roots,
+            _fs=self.fs,
+            _lock=self._lock,
+            _within=None if prefix is None else (self._roots, prefix),
+        )
         other.url = url
         other._http = self._http
         return other
 
     def child(self, rel: str) -> Storage:
-        """The sub-directory ``rel`` as a Storage of its own (same filesystem and options);
-        ``rel`` must be a safe relative name, as for :meth:`path`."""
-        return self._sibling(self._resolve(rel), posixpath.join(self.url.rstrip("/"), rel))
+        """The sub-directory ``rel`` as a Storage of its own (same filesystem and options),
+        reading inside the same folders as this one; ``rel`` must be a safe relative name, as
+        for :meth:`path`, and locally not a link leading outside (:class:`UnsafePathError`)."""
+        path = self._resolve(rel)
+        other = self._sibling(
+            path, posixpath.join(self.url.rstrip("/"), rel), (*self._prefix, *rel.split("/"))
+        )
+        if self.local:
+            with contextlib.suppress(OSError):  # missing or not a folder: found out on use
+                other._local("", lambda: other._locate("", folder=True).close())
+        return other
 
     def parent(self) -> tuple[Storage, str]:
         """The containing directory as a Storage, and this location's name in it."""
-        up = self._sibling(
-            posixpath.dirname(self.root) or "/", posixpath.dirname(self.url.rstrip("/")) or "."
-        )
+        root, url = posixpath.dirname(self.root) or "/", posixpath.dirname(self.url.rstrip("/"))
+        up = self._sibling(root, url or ".", self._prefix[:-1] if self._prefix else None)
         return up, posixpath.basename(self.root)
 
     def path(self, rel: str = "") -> str:
@@ -125,42 +159,101 @@ class Storage:
             "name files inside itself"
         )
 
-    # -- local files: regular files inside the root only -----------------------------------
+    # -- local files: regular files inside the readable folders only --------------------
 
-    def _local_file(self, rel: str) -> tuple[str, os.stat_result]:
-        """The real path and stat of the regular file ``rel``: a symlink may only lead to a file
-        inside the root, and FIFOs, devices, sockets and directories are refused (``/dev/zero``
-        never ends, opening a FIFO blocks forever)."""
-        path = self._resolve(rel)
-        real, real_root = os.path.realpath(path), os.path.realpath(self.root)
-        if not real.startswith(real_root.rstrip("/") + "/"):
-            raise UnsafePathError(
-                f"{self.describe(rel)}: a symlink leading outside {self.describe()} (to {real})"
-            )
-        status = self._call(rel, os.stat, real)
-        if not stat.S_ISREG(status.st_mode):
-            raise UnsafePathError(
-                f"{self.describe(rel)}: not a regular file: {local.file_kind(status.st_mode)}"
-            )
-        return real, status
+    def _locate(self, rel: str, *, folder: bool = False) -> Located:
+        """Where the local name ``rel`` leads (see :meth:`Beneath.locate`): walked from this
+        location's first readable folder, links resolved by ckptkit and only inside them."""
+        if rel:
+            base, parts = self._prefix, rel.split("/")
+        else:
+            base, parts = self._prefix[:-1], self._prefix[-1:]
+        with Beneath(self._roots, base) as walk:
+            return walk.locate(parts, folder=folder)
 
-    def _open_local(self, rel: str) -> tuple[int, int]:
-        """A read-only descriptor of the regular file ``rel`` and its size (fstat), opened
-        without blocking or following a last symlink, so a FIFO or link swapped in after the
-        check is refused instead of waited on or followed."""
-        real, _ = self._local_file(rel)
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = self._call(rel, os.open, real, flags)
+    def _local(self, rel: str, call: Callable[[], _T]) -> _T:
+        """``call()`` (a local look-up of ``rel``) with its errors as ckptkit's: a link leading
+        outside or a file that is not a regular one is :class:`UnsafePathError` (FIFOs, devices
+        and sockets are refused: ``/dev/zero`` never ends, opening a FIFO blocks forever)."""
         try:
-            status = os.fstat(fd)
-            if not stat.S_ISREG(status.st_mode):
-                raise UnsafePathError(
-                    f"{self.describe(rel)}: not a regular file: {local.file_kind(status.st_mode)}"
-                )
-        except BaseException:
-            os.close(fd)
-            raise
+            return self._call(rel, call)
+        except OutsideRoots as exc:
+            raise UnsafePathError(self._outside(rel, exc)) from None
+        except NotRegular as exc:
+            raise UnsafePathError(
+                f"{self.describe(rel)}: not a regular file: {local.file_kind(exc.mode)}"
+            ) from None
+
+    def _outside(self, rel: str, exc: OutsideRoots) -> str:
+        """The message for a link leading outside: which link, where to, and how to allow it."""
+        top = str(self._roots[0])
+        link = exc.link[len(top) + 1 :] if exc.link.startswith(top + "/") else exc.link
+        allow = exc.target if exc.folder else posixpath.dirname(exc.target)
+        where = ", ".join(str(root) for root in self._roots)
+        return (
+            f"{self.describe(rel)}: a symlink leading outside {where} ({link} leads to "
+            f"{exc.target}); if that folder is yours, allow it: ckptkit.open(..., "
+            f"allow_roots=[{allow!r}]), or --allow-root {allow} on the command line"
+        )
+
+    def _open_local(self, rel: str, walk: Beneath | None = None) -> tuple[int, int]:
+        """A read-only descriptor of the regular file ``rel`` and its size (fstat), opened
+        without blocking and without the system following any link (see :meth:`_locate`), so
+        a FIFO or a link swapped in meanwhile is refused instead of waited on or followed.
+        ``walk``: the batch's :class:`Beneath`, whose names are checked (one is made and ``rel``
+        checked otherwise)."""
+        if walk is None:
+            self._resolve(rel)
+            with Beneath(self._roots, self._prefix) as walk:
+                return self._open_local(rel, walk)
+        fd, status = self._local(rel, lambda: walk.open_file(rel.split("/")))
         return fd, status.st_size
+
+    def _local_size(self, rel: str, walk: Beneath) -> int:
+        """The size of the regular file ``rel`` (as :meth:`_open_local` would open it)."""
+
+        def look_up() -> int:
+            with walk.locate(rel.split("/")) as found:
+                if found.name is None or not stat.S_ISREG(found.status.st_mode):
+                    raise NotRegular(found.status.st_mode)
+                return found.status.st_size
+
+        return self._local(rel, look_up)
+
+    def _local_listing(self, rel: str) -> dict[str, int]:
+        """:meth:`listdir` of a local folder: names and kinds, looked up through any link (see
+        :func:`~ckptkit.storage.local.folder_sizes`); a file lists itself, as in fsspec."""
+
+        def listing() -> dict[str, int]:
+            try:
+                with self._locate(rel, folder=True) as found:
+                    return local.folder_sizes(found.folder)
+            except OutsideRoots:
+                return local.path_sizes(self._resolve(rel, root_ok=True))
+            except NotADirectoryError:
+                if not rel and not self._prefix:
+                    return local.path_sizes(self.root)  # the file the user named
+                with self._locate(rel) as found:
+                    return {posixpath.basename(rel or self.root): found.status.st_size}
+
+        return self._local(rel, listing)
+
+    def _local_kind(self, rel: str) -> int | None:
+        """The ``st_mode`` of what the local name ``rel`` leads to, None when nothing is there;
+        through a link leading outside as the system sees it (names and kinds, not bytes)."""
+        if not rel and not self._prefix:  # the location itself, as the user named it
+            with contextlib.suppress(OSError, ValueError):
+                return os.stat(self.root).st_mode
+            return None
+        try:
+            with self._locate(rel) as found:
+                return found.status.st_mode
+        except OutsideRoots:
+            with contextlib.suppress(OSError, ValueError):
+                return os.stat(self._resolve(rel, root_ok=True)).st_mode
+        except OSError:
+            pass
+        return None
 
     # -- metadata --------------------------------------------------------------------------
 
@@ -172,7 +265,7 @@ class Storage:
         """
         path = self._resolve(rel, root_ok=True)
         if self.local:
-            return os.path.exists(path)
+            return self._local_kind(rel) is not None
         try:
             self._call(rel, self.fs.info, path)
         except (MissingFileError, AccessDeniedError):
@@ -183,7 +276,7 @@ class Storage:
         """Whether ``rel`` is a directory (False too when the store refuses to list it)."""
         path = self._resolve(rel, root_ok=True)
         if self.local:
-            return os.path.isdir(path)
+            return stat.S_ISDIR(self._local_kind(rel) or 0)
         try:
             return bool(self._call(rel, self.fs.isdir, path))
         except (MissingFileError, AccessDeniedError):
@@ -197,6 +290,8 @@ class Storage:
         """
         path = self._resolve(rel, root_ok=True)
         try:
+            if self.local:
+                return self._local_listing(rel)
             listing = self._call(rel, self.fs.ls, path, detail=True)
         except MissingFileError:
             raise MissingFileError(f"{self.describe(rel)}: no such directory") from None
@@ -221,14 +316,15 @@ class Storage:
         for rel in dict.fromkeys(rels):
             self._resolve(rel)  # every name checked before any look-up
 
-        def look_up(rel: str) -> int | None:
+        def look_up(rel: str, walk: Beneath | None = None) -> int | None:
             try:
-                return self.size(rel)
+                return self.size(rel) if walk is None else self._local_size(rel, walk)
             except (MissingFileError, AccessDeniedError):  # 403: absent, see exists()
                 return None
 
         if self.local:
-            return {rel: look_up(rel) for rel in rels}
+            with Beneath(self._roots, self._prefix) as walk:
+                return {rel: look_up(rel, walk) for rel in rels}
         out: dict[str, int | None] = {}
         for directory in sorted({posixpath.dirname(rel) for rel in rels}):
             try:
@@ -250,9 +346,11 @@ class Storage:
         return out
 
     def size(self, rel: str) -> int:
-        """Size of the file ``rel`` in bytes (locally: of a regular file, see ``_local_file``)."""
+        """Size of the file ``rel`` in bytes (locally: of a regular file, see ``_open_local``)."""
         if self.local:
-            return self._local_file(rel)[1].st_size
+            self._resolve(rel)
+            with Beneath(self._roots, self._prefix) as walk:
+                return self._local_size(rel, walk)
         size = self._size_or_none(rel)
         if size is None:
             raise StorageError(f"{self.describe(rel)}: the store does not report its size")
@@ -418,13 +516,14 @@ class Storage:
         shrinks kills the process with SIGBUS."""
         blobs: list[bytes | memoryview] = []
         current: tuple[str, int, int] | None = None  # (rel, descriptor, size)
+        walk = Beneath(self._roots, self._prefix)  # the folders opened once for the batch
         try:
             for rel, start, end, _ in requests:
                 if current is None or current[0] != rel:
                     if current is not None:
                         os.close(current[1])
                         current = None
-                    current = (rel, *self._open_local(rel))
+                    current = (rel, *self._open_local(rel, walk))
                 _, fd, size = current
                 length = min(end, size) - start
                 read = local.read_large if length >= local.LARGE_READ_MIN else local.pread
@@ -432,6 +531,7 @@ class Storage:
         finally:
             if current is not None:
                 os.close(current[1])
+            walk.close()
         return blobs
 
     def _fetch_remote(self, requests: list[list[Any]]) -> list[bytes | bytearray]:
@@ -478,3 +578,19 @@ class Storage:
             lock=self._lock,
             where=lambda: self.describe(rel),
         )
+
+
+def _folders(
+    given: Iterable[str | os.PathLike[str]] | str | os.PathLike[str] | None,
+) -> tuple[str, ...]:
+    """``allow_roots`` as absolute paths (one folder may be given alone)."""
+    if given is None:
+        return ()
+    if isinstance(given, (str, os.PathLike)):
+        given = [given]
+    folders = []
+    for folder in given:
+        if not isinstance(folder, (str, os.PathLike)):
+            raise UsageError(f"allow_roots takes folder paths, got {folder!r}")
+        folders.append(os.path.abspath(os.path.expanduser(os.fspath(folder))))
+    return tuple(folders)
