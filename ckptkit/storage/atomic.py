@@ -190,7 +190,7 @@ class AtomicOutput:
         finally:
             self.discard()
 
-    def publish(self) -> _Published:
+    def publish(self) -> list[tuple[str, str | None]]:
         """:meth:`commit` without the clean-up: every file in place or (on error) none, and
         what was published for :meth:`withdraw`, should a later step (another rank's
         publishing) fail. :meth:`discard` must follow; until then a journal lists the files,
@@ -281,7 +281,7 @@ class AtomicOutput:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def withdraw(self, published: _Published) -> None:
+    def withdraw(self, published: list[tuple[str, str | None]]) -> None:
         """Take back files :meth:`publish` put in place (best effort, newest first); if one
         cannot be, the journal stays, and the next run finishes taking them back."""
         failed = False
