@@ -29,7 +29,7 @@ from ..errors import (
     LimitExceededError,
     MissingFileError,
 )
-from ..storage import Storage
+from ..storage import Store
 from .pickle_limits import RECORD_LIMITS
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
 
@@ -306,7 +306,7 @@ class ZipIndex:
 
 
 def read_safetensors_headers(
-    storage: Storage, blobs: list[tuple[str, int]]
+    storage: Store, blobs: list[tuple[str, int]]
 ) -> dict[tuple[str, int], SafetensorsHeader]:
     """The parsed header of each safetensors blob ``(file, offset)`` (offset 0: a whole
     ``.safetensors`` file; else a blob inside a DCP data file), in two batched rounds of range
@@ -325,14 +325,14 @@ def read_safetensors_headers(
     }
 
 
-def safetensors_file_headers(storage: Storage, files: list[str]) -> dict[str, SafetensorsHeader]:
+def safetensors_file_headers(storage: Store, files: list[str]) -> dict[str, SafetensorsHeader]:
     """Each ``.safetensors`` file's parsed header (see :func:`read_safetensors_headers`)."""
     found = read_safetensors_headers(storage, [(file, 0) for file in files])
     return {file: header for (file, _), header in found.items()}
 
 
 def read_zip_indexes(
-    storage: Storage, files: list[str], sizes: Mapping[str, int | None] | None = None
+    storage: Store, files: list[str], sizes: Mapping[str, int | None] | None = None
 ) -> dict[str, ZipIndex]:
     """Every member of each torch.save zip file, located by range reads in three batched rounds:
     the tails, any central directory not inside its tail, the local headers. No data is read."""
@@ -392,7 +392,7 @@ MAX_INFLATED = 64 << 20
 
 
 def read_members(
-    storage: Storage, index: ZipIndex, names: list[str], *, limit: int = MAX_INFLATED
+    storage: Store, index: ZipIndex, names: list[str], *, limit: int = MAX_INFLATED
 ) -> dict[str, bytes]:
     """The bytes of members ``<prefix><name>`` of one zip file, stored or DEFLATE-compressed,
     in one batched round of range reads, each checked against its declared size and CRC-32.

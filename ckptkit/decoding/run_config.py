@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptRecordError, FormatError, MissingFileError
-from ..storage import Storage
+from ..storage import Store
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -24,7 +24,7 @@ MAX_CONFIG_BYTES = 16 << 20
 MAX_ROWS = 100_000
 
 
-def read_config(storage: Storage, name: str | None = None) -> Any:
+def read_config(storage: Store, name: str | None = None) -> Any:
     """The parsed config file ``name`` (or the first of :data:`CONFIG_NAMES` that exists) in
     ``storage``; None when there is none. YAML is read with ``yaml.safe_load`` (no tags run)."""
     if name is None:

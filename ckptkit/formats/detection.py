@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..storage import Storage
+from ..storage import Store
 
 __all__ = ["Detection", "file_location"]
 
@@ -19,12 +19,12 @@ class Detection:
     """
 
     format: str
-    storage: Storage
+    storage: Store
     evidence: list[str] = field(default_factory=list)
     files: list[str] | None = None
 
 
-def file_location(storage: Storage) -> tuple[Storage, str] | None:
+def file_location(storage: Store) -> tuple[Store, str] | None:
     """``(parent directory, file name)`` when ``storage`` names an existing file, else None."""
     if storage.isdir() or not storage.exists(""):
         return None

@@ -35,7 +35,7 @@ from ..decoding.records import SafetensorsHeader, safetensors_file_headers
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import first_missing
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 
 __all__ = ["NAME", "SHARDED_DIR", "SHARDING_INFO", "INDEX_SUFFIX", "detect", "describe"]
@@ -47,7 +47,7 @@ INDEX_SUFFIX = ".safetensors.index.json"
 _SHARD = re.compile(r"^shard-(\d+)-(.+)-\d+-of-\d+\.safetensors$")
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """``shard-*-of-*.safetensors`` files whose header carries ``DCP_SHARDING_INFO``, in the
     directory or, when it holds no safetensors of its own, in its ``sharded/``."""
     if file_location(storage) is not None:
@@ -73,7 +73,7 @@ def detect(storage: Storage) -> Detection | None:
     )
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of a directory of per-rank shard files; reads headers only."""
     listing = storage.listdir()
     shards = _shards(listing)
@@ -152,7 +152,7 @@ def _sharding_info(header: SafetensorsHeader, source: str) -> dict[str, list[int
         raise FormatError(f"{source}: unreadable {SHARDING_INFO}: {exc}") from exc
 
 
-def _consolidated_shapes(storage: Storage) -> dict[str, tuple[int, ...]]:
+def _consolidated_shapes(storage: Store) -> dict[str, tuple[int, ...]]:
     """``{<group>.<fqn>: shape}`` from the consolidated files beside a ``sharded/`` directory
     (through ``<group>.safetensors.index.json``); empty when there are none."""
     parent, name = storage.parent()

@@ -37,7 +37,7 @@ from ..catalog.model import (
 from ..decoding.records import SafetensorsHeader, safetensors_file_headers
 from ..decoding.unpickler import OBJECT_GLOBALS, safe_loads
 from ..errors import CorruptRecordError, FormatError, MissingFileError
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts.rank_sets import TRAIN_GROUP, describe_ranks, rank_files
 from .parts.torch_save_files import leaves
@@ -53,7 +53,7 @@ STATE_SEPARATOR = ".__"
 _BOOKKEEPING = ("num_param_groups", "state_keys")
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """OLMo-core 0.x: ``model/metadata.json`` next to ``model/rank_*.safetensors``."""
     if file_location(storage) is not None:
         return None
@@ -73,7 +73,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, evidence)
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of an OLMo-core 0.x checkpoint directory; reads JSON and headers only (plus
     the pickled param groups, to map optimizer state to parameter ids)."""
     listing = storage.listdir()
@@ -100,7 +100,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     return builder.build(Facts(unfinished=check_olmo_config(storage), **facts))
 
 
-def _metadata(storage: Storage, name: str) -> dict[str, Any]:
+def _metadata(storage: Store, name: str) -> dict[str, Any]:
     source = storage.describe(name)
     try:
         tensors = json.loads(storage.read_file(name))["tensors"]
@@ -128,7 +128,7 @@ def _files(tensors: Mapping[str, Any]) -> set[str]:
     return {file for spec in tensors.values() for file in spec["shard_spec_per_file"]}
 
 
-def _headers(storage: Storage, files: list[str]) -> dict[str, tuple[SafetensorsHeader, int]]:
+def _headers(storage: Store, files: list[str]) -> dict[str, tuple[SafetensorsHeader, int]]:
     """Each safetensors file's header and size."""
     sizes = storage.sizes(files)
     for file in files:
@@ -139,7 +139,7 @@ def _headers(storage: Storage, files: list[str]) -> dict[str, tuple[SafetensorsH
 
 
 def _entries(
-    storage: Storage,
+    storage: Store,
     part: str,
     tensors: Mapping[str, Any],
     headers: Mapping[str, tuple[SafetensorsHeader, int]],
@@ -168,7 +168,7 @@ def _entries(
 
 
 def _file_chunks(
-    storage: Storage,
+    storage: Store,
     file: str,
     key: str,
     dt: dtypes.DType,
@@ -234,7 +234,7 @@ def _check_cover(source: str, key: str, shape: tuple[int, ...], chunks: list[Chu
 
 
 def _optim_entries(
-    storage: Storage,
+    storage: Store,
     tensors: Mapping[str, Any],
     headers: Mapping[str, tuple[SafetensorsHeader, int]],
     facts: dict[str, Any],
@@ -284,7 +284,7 @@ def _optim_entries(
     return _in_state_order(entries, ids)
 
 
-def _decode_groups(storage: Storage, stored: list[Entry]) -> list[Any]:
+def _decode_groups(storage: Store, stored: list[Entry]) -> list[Any]:
     """The pickled param groups (uint8 tensors, one record each), fetched in one batch."""
     for entry in stored:
         chunk = entry.chunks[0] if entry.chunks else None

@@ -20,7 +20,7 @@ from typing import Any
 from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import first_missing
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection
 from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA, read_dcp
 from .parts.rank_sets import TRAIN_GROUP, RankSet, describe_ranks, rank_files
@@ -47,7 +47,7 @@ OLMO_CORE_CONFIG = "config.json"
 _SIGNS = (TRAIN_DIR, OLMO_CONFIG, OLMO_CORE_CONFIG, OLMO_CORE_MARKER)
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """A step directory: ``model_and_optim/`` plus ``train/`` or an OLMo / OLMo-core config or
     marker beside it (a bare ``model_and_optim/`` parent stays plain DCP)."""
     try:
@@ -68,7 +68,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, [f"{DCP_DIR}/ (DCP)"] + [labels[s] for s in signs])
 
 
-def describe(storage: Storage) -> Catalog:
+def describe(storage: Store) -> Catalog:
     """The DCP catalog of ``model_and_optim/`` joined with the per-rank trainer state."""
     listing = storage.listdir()
     if listing.get(DCP_DIR) != -1:
@@ -101,7 +101,7 @@ def describe(storage: Storage) -> Catalog:
     return builder.build(Facts(unfinished=check_unfinished(storage, *reasons), **facts))
 
 
-def _layout(storage: Storage, listing: dict[str, int]) -> tuple[dict[str, Any], list[str]]:
+def _layout(storage: Store, listing: dict[str, int]) -> tuple[dict[str, Any], list[str]]:
     """OLMo or OLMo-core, the config file, and whether the completion marker is missing."""
     facts: dict[str, Any] = {}
     reasons: list[str] = []
@@ -123,7 +123,7 @@ def _layout(storage: Storage, listing: dict[str, int]) -> tuple[dict[str, Any], 
 
 
 def _trainer_state(
-    storage: Storage, listing: dict[str, int], dcp_files: list[str], reasons: list[str]
+    storage: Store, listing: dict[str, int], dcp_files: list[str], reasons: list[str]
 ) -> RankSet | None:
     """The per-rank trainer state in ``train/`` (rank 0's values read by default); missing
     ranks are an error unless the save is known to be unfinished (then one more reason)."""
@@ -159,7 +159,7 @@ def _dcp_world_size(files: list[str]) -> int:
     return max(ranks) + 1 if ranks else 0
 
 
-def _read_json(storage: Storage, name: str) -> Any:
+def _read_json(storage: Store, name: str) -> Any:
     try:
         return json.loads(storage.read_file(name))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -29,7 +29,7 @@ from ..decoding.unpickler import OBJECT_GLOBALS, TensorRef
 from ..dtypes import DType
 from ..errors import CorruptRecordError, FormatError, MissingFileError
 from ..limits import count_missing, first_missing
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts import torch_save_files
 from .parts.rank_sets import RANK_FILE, TRAIN_GROUP, describe_ranks
@@ -70,7 +70,7 @@ MODEL_GLOBALS: dict[str, Any] = {
 }
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """OLMo local: ``metadata.yaml`` next to a ``model/`` directory of ``rank*.pt`` files."""
     if file_location(storage) is not None:
         return None
@@ -89,7 +89,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, evidence)
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of an OLMo local checkpoint directory; reads zip directories and pickles."""
     world_size = _world_size(storage)
     present = {int(m.group(1)) for n in storage.listdir("model") if (m := RANK_FILE.match(n))}
@@ -141,7 +141,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     )
 
 
-def _world_size(storage: Storage) -> int:
+def _world_size(storage: Store) -> int:
     source = storage.describe(METADATA)
     try:
         metadata = yaml.safe_load(storage.read_file(METADATA))

@@ -8,7 +8,7 @@ import posixpath
 import re
 
 from ..errors import CheckpointError
-from ..storage import Storage
+from ..storage import Store
 from .detection import file_location
 from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA
 
@@ -16,7 +16,7 @@ from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA
 MAX_STEP_DIRS = 64
 
 
-def inside_checkpoint(storage: Storage) -> str | None:
+def inside_checkpoint(storage: Store) -> str | None:
     """For a file of a DCP checkpoint (data file, ``.metadata``, ``__R.metadata``) whose
     directory holds the metadata: a message saying to open that directory; else None."""
     if not _dcp_file_name(posixpath.basename(storage.url.rstrip("/"))):
@@ -47,9 +47,9 @@ def _natural(name: str) -> list[int | str]:
 
 
 def checkpoints_below(
-    storage: Storage, listing: dict[str, int], detect, *, nested: bool = False
+    storage: Store, listing: dict[str, int], detect, *, nested: bool = False
 ) -> list[str]:
-    """The sub-directories of a run folder that ``detect`` (a Storage → Detection | None
+    """The sub-directories of a run folder that ``detect`` (a Store → Detection | None
     function) recognises as checkpoints, in natural order; at most :data:`MAX_STEP_DIRS`
     are looked at. With ``nested``, a sub-directory that is none is looked into once more
     (verl's ``global_step_10/actor``), within the same budget of look-ups, and its
@@ -75,7 +75,7 @@ def checkpoints_below(
     return found
 
 
-def _recognised(storage: Storage, name: str, detect) -> bool:
+def _recognised(storage: Store, name: str, detect) -> bool:
     """Whether ``detect`` recognises the sub-directory ``name``; a recognised but damaged
     checkpoint (its detection raises) still counts: it is worth pointing to."""
     try:

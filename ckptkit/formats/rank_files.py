@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..catalog.model import Catalog, CatalogBuilder, Entry, Facts
 from ..errors import CoverageError, FormatError, MissingFileError
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts.fsdp_pickles import ALLOWED_GLOBALS
 from .parts.rank_sets import (
@@ -37,7 +37,7 @@ FSDP_CONFIG = "fsdp_config.json"
 HF_CONFIG = "huggingface/config.json"
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """Per-rank files when the directory holds ``rank{N}.pt`` files, or named rank files one of
     which holds DTensors / ShardedTensors (or one such file is named)."""
     located = file_location(storage)
@@ -58,7 +58,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, evidence)
 
 
-def _detect_file(parent: Storage, name: str) -> Detection | None:
+def _detect_file(parent: Store, name: str) -> Detection | None:
     """A named rank file: ``rank{N}.pt`` by its name, another by what its pickle holds."""
     if RANK_FILE.match(name):
         return Detection(
@@ -74,7 +74,7 @@ def _detect_file(parent: Storage, name: str) -> Detection | None:
     )
 
 
-def _detect_named(storage: Storage, listing: dict[str, int]) -> Detection | None:
+def _detect_named(storage: Store, listing: dict[str, int]) -> Detection | None:
     """Named rank files whose first set's lowest rank file holds sharded tensors (the only
     pickle read: every other file is checked when the checkpoint is described)."""
     sets = named_rank_sets(storage, listing, strict=False)
@@ -90,7 +90,7 @@ def _detect_named(storage: Storage, listing: dict[str, int]) -> Detection | None
     return Detection(NAME, storage, evidence)
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """One catalog over every ``rank{N}.pt`` in the directory, or else over every named set of
     rank files (``files`` is ignored: one rank of a sharded set cannot be read on its own)."""
     listing = storage.listdir()
@@ -118,7 +118,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     )
 
 
-def _describe_named(storage: Storage, listing: dict[str, int], sets: list[NamedRankSet]) -> Catalog:
+def _describe_named(storage: Store, listing: dict[str, int], sets: list[NamedRankSet]) -> Catalog:
     """One catalog over named sets of rank files, each under its group, checked to be one
     checkpoint: every set complete (0..N-1, as the names and contents say) and of one world
     size. Other torch.save files beside them (Accelerate's ``scheduler.bin``) are groups of
@@ -168,7 +168,7 @@ def _describe_named(storage: Storage, listing: dict[str, int], sets: list[NamedR
     )
 
 
-def _other_files(storage: Storage, listing: dict[str, int], sets: list[NamedRankSet]) -> dict:
+def _other_files(storage: Store, listing: dict[str, int], sets: list[NamedRankSet]) -> dict:
     """``{name: group}`` of the torch.save files beside the named sets that are not rank files
     and whose group no set holds (their first bytes read to tell torch.save files apart)."""
     groups = {named.group for named in sets}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..catalog.model import Catalog, CatalogBuilder
 from ..errors import FormatError, MissingFileError
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts.torch_save_files import describe_files, directory_files, group_of, probe
 
@@ -17,7 +17,7 @@ NAME = "torch_save"
 _KINDS = {"zip": "a torch.save zip", "legacy": "a pre-1.6 (non-zip) torch.save file"}
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """torch.save when the location is a torch.save file (zip or pre-1.6), or a directory
     holding such files under a checkpoint suffix (``*.pt``, ``*.pth``, ``*.ckpt``…)."""
     located = file_location(storage)
@@ -37,7 +37,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, [f"torch.save files: {shown}"])
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of the named torch.save ``files`` or of a whole directory: each file's keys
     sit under its group (its stem: ``model.pt``'s ``embed.weight`` is ``model.embed.weight``),
     whichever of the two was opened. Reads zip directories, storage headers and pickles only."""

@@ -36,7 +36,7 @@ from ..errors import (
     MissingFileError,
     UnsafePickleError,
 )
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts.torch_save_files import directory_files, group_of, probe, tensor_entry
 
@@ -96,7 +96,7 @@ def _script_evidence(name: str, index: ZipIndex) -> str | None:
     return f"{name} is a TorchScript archive (torch.jit.save): {', '.join(found)}"
 
 
-def _script_zips(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str] | None:
+def _script_zips(storage: Store, sizes: Mapping[str, int]) -> dict[str, str] | None:
     """Evidence per file when every zip in ``sizes`` is a TorchScript archive, else None."""
     try:
         indexes = read_zip_indexes(storage, list(sizes), sizes)
@@ -108,7 +108,7 @@ def _script_zips(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str] |
     return {name: line for name, line in evidence.items() if line}
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """TorchScript when the location is a zip holding ``constants.pkl`` or ``code/`` beside
     ``data.pkl``, or a directory whose torch zips (``*.pt``…) all are."""
     located = file_location(storage)
@@ -314,7 +314,7 @@ class _Archive:
     classes: dict[str, ClassInfo]
 
 
-def _load_archives(storage: Storage, files: list[str]) -> list[_Archive]:
+def _load_archives(storage: Store, files: list[str]) -> list[_Archive]:
     """Each file's module tree and class declarations: zip directories, then ``data.pkl`` and
     ``byteorder`` (stored members), then the code members of the classes in the tree."""
     indexes = read_zip_indexes(storage, files)
@@ -343,7 +343,7 @@ def _load_archives(storage: Storage, files: list[str]) -> list[_Archive]:
     return archives
 
 
-def _classes(storage: Storage, index: ZipIndex, root: ScriptObject) -> dict[str, ClassInfo]:
+def _classes(storage: Store, index: ZipIndex, root: ScriptObject) -> dict[str, ClassInfo]:
     """The declarations of every class in ``root``'s tree, from their (inflated) code members."""
     source = storage.describe(index.file)
     names = {obj.qualified_name for obj in _objects(root)}
@@ -454,7 +454,7 @@ def _entries(archive: _Archive, group: tuple[str, ...]) -> Iterator[Entry]:
         yield tensor_entry(".".join(path), path, ref, archive.index, archive.source)
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of the named TorchScript ``files`` or of a directory of them: each file's
     ``state_dict()`` names under its group, the file's stem (``model.pt``'s ``lin.weight`` is
     ``model.lin.weight``, as for torch.save files). Reads zip directories, ``data.pkl`` and the

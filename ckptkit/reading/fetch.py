@@ -32,7 +32,7 @@ from ..errors import (
     MissingFileError,
     TruncatedFileError,
 )
-from ..storage import Storage
+from ..storage import Store
 from .geometry import row_major
 
 __all__ = ["RecordFetcher", "batches"]
@@ -44,7 +44,7 @@ _COALESCE_MIN = 16
 class RecordFetcher:
     """Fetches the records of one checkpoint location and decodes what tensor chunks store."""
 
-    def __init__(self, storage: Storage, *, verify_crc: bool = True) -> None:
+    def __init__(self, storage: Store, *, verify_crc: bool = True) -> None:
         self.storage = storage
         #: Check what is read against the CRC-32 the format stores (torch.save zip members).
         self.verify_crc = verify_crc

@@ -23,7 +23,7 @@ from ..decoding.records import (
 )
 from ..decoding.unpickler import OBJECT_GLOBALS, Opaque, TensorRef, safe_loads
 from ..errors import CorruptRecordError, FormatError, PickleLimitError
-from ..storage import Storage
+from ..storage import Store
 from .fetch import RecordFetcher
 from .geometry import strided_view, tensor_from_numpy
 
@@ -38,7 +38,7 @@ class ObjectReader(RecordFetcher):
 
     def __init__(
         self,
-        storage: Storage,
+        storage: Store,
         object_globals: Mapping[str, Any] | None = None,
         *,
         verify_crc: bool = True,

@@ -16,7 +16,7 @@ from ..catalog.coverage import rows_in_order
 from ..catalog.model import Chunk, Entry, distinct_chunks
 from ..decoding.unpickler import paused_gc
 from ..errors import CheckpointError, FormatError, MismatchError
-from ..storage import Storage
+from ..storage import Store
 from . import trusted
 from .fetch import batches
 from .geometry import (
@@ -53,7 +53,7 @@ class Reader(ObjectReader):
 
     def __init__(
         self,
-        storage: Storage,
+        storage: Store,
         object_globals: Mapping[str, Any] | None = None,
         *,
         verify_crc: bool = True,

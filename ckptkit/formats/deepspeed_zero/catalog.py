@@ -9,7 +9,7 @@ from typing import Any
 
 from ...catalog.model import Catalog, CatalogBuilder, Entry, Facts
 from ...errors import FormatError, MissingFileError
-from ...storage import Storage
+from ...storage import Store
 from ..parts.torch_save_files import load_pickles
 from .detection import LATEST, NAME, SCRIPTS, latest_tag, list_tag_files, tag_evidence
 from .model_states import ModelStateEntries
@@ -17,7 +17,7 @@ from .optimizer import OptimizerEntries
 from .pickles import ZERO_GLOBALS
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of a ZeRO tag directory, or of the tag its run directory's ``latest`` names."""
     listing = storage.listdir()
     prefix, metadata, skipped = "", (), {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ...errors import FormatError, MissingFileError
 from ...limits import count_missing, first_missing
-from ...storage import Storage
+from ...storage import Store
 from ..detection import Detection, file_location
 
 NAME = "deepspeed_zero"
@@ -33,7 +33,7 @@ MAX_LATEST_BYTES = 4096
 # Detection.
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """A ZeRO tag directory (``*_optim_states.pt`` beside ``*_model_states.pt``), or its parent
     whose ``latest`` names one."""
     if file_location(storage) is not None:
@@ -78,7 +78,7 @@ def tag_evidence(listing: Mapping[str, int]) -> list[str]:
     return lines
 
 
-def latest_tag(storage: Storage) -> str:
+def latest_tag(storage: Store) -> str:
     """The tag ``latest`` names: one safe path component."""
     raw = storage.read_file(LATEST, max_bytes=MAX_LATEST_BYTES)
     try:
@@ -107,7 +107,7 @@ class TagFiles:
     skipped: dict[str, str]
 
 
-def list_tag_files(storage: Storage, prefix: str) -> TagFiles:
+def list_tag_files(storage: Store, prefix: str) -> TagFiles:
     """Sort a tag directory's files; a clear error for layouts recognised but not read."""
     where = prefix.rstrip("/")
     listing = storage.listdir(where)

@@ -34,7 +34,7 @@ from ...decoding.records import (
 )
 from ...decoding.unpickler import TENSOR_GLOBALS, TensorRef, safe_loads
 from ...errors import CheckpointError, CorruptRecordError, FormatError, LimitExceededError
-from ...storage import Storage
+from ...storage import Store
 from ..parts.torch_save_files import tensor_record
 
 #: ``layers.`` followed by a name, not an index: the stacked layer axis (``decoder.layers.mlp``).
@@ -76,7 +76,7 @@ class _Located:
 
 
 def layer_chunks(
-    storage: Storage, stacked: list[Entry]
+    storage: Store, stacked: list[Entry]
 ) -> tuple[dict[str, list[tuple[Chunk, ...]]], dict[str, str]]:
     """For each stacked entry (by key), the chunks of each of its ``shape[0]`` layers: the
     stored chunks' slices, each with a RAW record over the stored bytes; and, by key, why an
@@ -95,7 +95,7 @@ def layer_chunks(
     return out, failed
 
 
-def _layer_chunks(storage: Storage, stacked: list[Entry]) -> dict[str, list[tuple[Chunk, ...]]]:
+def _layer_chunks(storage: Store, stacked: list[Entry]) -> dict[str, list[tuple[Chunk, ...]]]:
     records = [
         chunk.record
         for entry in stacked
@@ -203,7 +203,7 @@ def _slices(
         yield first + step, Chunk(chunk.offsets[1:], chunk.sizes[1:], piece, chunk.rank)
 
 
-def _locate(storage: Storage, records: Iterable[Record]) -> dict[int, _Located]:
+def _locate(storage: Store, records: Iterable[Record]) -> dict[int, _Located]:
     """Each TORCH_SAVE record's tensor view and storage member, by ``id(record)``."""
     out = {}
     records = list(records)
@@ -222,7 +222,7 @@ def _locate(storage: Storage, records: Iterable[Record]) -> dict[int, _Located]:
     return out
 
 
-def archive_pickles(storage: Storage, records: list[Record]) -> list[tuple[ZipIndex, bytes]]:
+def archive_pickles(storage: Store, records: list[Record]) -> list[tuple[ZipIndex, bytes]]:
     """For each TORCH_SAVE record (a torch.save archive inside a larger file): its members,
     located in that file, and its ``data.pkl`` bytes; three batched rounds of range reads (the
     archives' last bytes, the members' local headers, the pickles), no storage bytes."""
@@ -281,7 +281,7 @@ def _needed(name: str) -> bool:
 
 
 def _index(
-    storage: Storage, record: Record, members: list, directory: int, heads: Iterator[bytes]
+    storage: Store, record: Record, members: list, directory: int, heads: Iterator[bytes]
 ) -> ZipIndex:
     """A record's zip members with their data offsets in the record's file (each agreeing with
     its local header, none overlapping another or the directory at ``directory``)."""

@@ -27,7 +27,7 @@ from ...errors import (
     UnsafePathError,
     UnsafePickleError,
 )
-from ...storage import Storage
+from ...storage import Store
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -254,7 +254,7 @@ def _dcp_globals() -> dict[str, Any]:
 ALLOWED_GLOBALS = _dcp_globals()
 
 
-def metadata_files(storage: Storage) -> list[tuple[str, int | None]]:
+def metadata_files(storage: Store) -> list[tuple[str, int | None]]:
     """The metadata file(s) of the DCP at ``storage`` with the rank each describes (None: all)."""
     if storage.exists(METADATA):
         return [(METADATA, None)]
@@ -305,7 +305,7 @@ def _shown(value: Any) -> str:
 
 
 def read_dcp(
-    storage: Storage,
+    storage: Store,
     prefix: str = "",
     *,
     extra_globals: Mapping[str, Any] | None = None,
@@ -334,7 +334,7 @@ def read_dcp(
         return union.entries(), list(union.files.values()), union.facts
 
 
-def _load_metadata(storage: Storage, name: str, allow: Mapping[str, Any]) -> _Metadata:
+def _load_metadata(storage: Store, name: str, allow: Mapping[str, Any]) -> _Metadata:
     source = storage.describe(name)
     with storage.open_sequential(name, max_bytes=METADATA_LIMITS.max_bytes) as stream:
         metadata = safe_loads(stream, allow=allow, source=source, limits=METADATA_LIMITS)
@@ -348,7 +348,7 @@ def _load_metadata(storage: Storage, name: str, allow: Mapping[str, Any]) -> _Me
 class _MetadataUnion:
     """Accumulates entries from one or more metadata files (rank-local sets are unioned)."""
 
-    def __init__(self, storage: Storage, prefix: str) -> None:
+    def __init__(self, storage: Store, prefix: str) -> None:
         self.storage = storage
         self.prefix = prefix
         self.chunks: dict[str, list[Chunk]] = {}
@@ -546,7 +546,7 @@ class _MetadataUnion:
         return out
 
 
-def _check_file_name(storage: Storage, source: str, fqn: str, name: str) -> None:
+def _check_file_name(storage: Store, source: str, fqn: str, name: str) -> None:
     """Refuse a storage record naming a file outside the checkpoint, naming the entry."""
     try:
         storage.path(name)

@@ -24,7 +24,7 @@ import numpy as np
 from ...decoding.pickle_limits import OBJECT_LIMITS, RECORD_LIMITS
 from ...decoding.unpickler import StorageRef, safe_loads
 from ...errors import CorruptRecordError, FormatError, LimitExceededError, TruncatedFileError
-from ...storage import Storage
+from ...storage import Store
 
 __all__ = [
     "MAGIC_NUMBER",
@@ -104,7 +104,7 @@ class LegacyPickle:
 
 
 def read_legacy(
-    storage: Storage, files: list[str], sizes: Mapping[str, int], allow: Mapping[str, Any]
+    storage: Store, files: list[str], sizes: Mapping[str, int], allow: Mapping[str, Any]
 ) -> dict[str, LegacyPickle]:
     """Each pre-1.6 file's main pickle (unknown globals as placeholders) and storage
     locations, reading the pickles and the 8-byte storage headers only, in batched rounds."""
@@ -142,7 +142,7 @@ def read_legacy(
 class _Prefix:
     """The first bytes of one file, read further on demand, and the pickles found in them."""
 
-    def __init__(self, storage: Storage, file: str, head: bytes, size: int) -> None:
+    def __init__(self, storage: Store, file: str, head: bytes, size: int) -> None:
         self.storage, self.file, self.buf, self.size = storage, file, bytearray(head), size
         self.source = storage.describe(file)
 

@@ -64,7 +64,7 @@ from ...decoding.unpickler import TensorRef
 from ...dtypes import DType
 from ...errors import CheckpointError, CoverageError, FormatError
 from ...limits import count_missing, first_missing, ranks_text
-from ...storage import Storage
+from ...storage import Store
 from .fsdp_pickles import (
     ALLOWED_GLOBALS,
     _DeviceMesh,
@@ -101,7 +101,7 @@ TRAIN_GROUP = "train"
 # Finding the rank files.
 
 
-def rank_files(storage: Storage, listing: Mapping[str, int], prefix: str = "") -> dict[int, str]:
+def rank_files(storage: Store, listing: Mapping[str, int], prefix: str = "") -> dict[int, str]:
     """``{rank: name}`` of the ``rank{N}.pt`` files in ``listing``; a rank named twice
     (``rank1.pt`` and ``rank01.pt``) is a :class:`FormatError`."""
     found: dict[int, str] = {}
@@ -129,7 +129,7 @@ class NamedRankSet:
     world_size: int | None
     files: dict[int, str]
 
-    def check_names(self, storage: Storage) -> None:
+    def check_names(self, storage: Store) -> None:
         """A :class:`CoverageError` naming the missing files when the names leave a rank out
         (0..N-1 by the world size the names state, else up to the highest rank present), or
         name a rank beyond the world size they state. Reads nothing."""
@@ -172,7 +172,7 @@ def named_group(stem: str) -> str:
 
 
 def named_rank_sets(
-    storage: Storage, listing: Mapping[str, int], *, strict: bool = True
+    storage: Store, listing: Mapping[str, int], *, strict: bool = True
 ) -> list[NamedRankSet]:
     """The named sets of rank files in ``listing`` (see the module notes), model first, then
     optim, then the rest by name. With ``strict``, a rank named twice in one set and two sets
@@ -213,7 +213,7 @@ def named_rank_sets(
     return sorted(sets.values(), key=lambda s: (order.get(s.group, 2), s.group))
 
 
-def sniff_sharding(storage: Storage, file: str, size: int | None = None) -> str | None:
+def sniff_sharding(storage: Store, file: str, size: int | None = None) -> str | None:
     """``"DTensor"`` or ``"ShardedTensor"`` when the pickle of the rank file ``file`` holds
     sharded tensors, else None: what decides that a named set is a sharded checkpoint. Reads
     that one file's zip directory and pickle (decoded safely, no tensor bytes); a file that
@@ -273,7 +273,7 @@ class RankSet:
         :func:`ckptkit.limits.first_missing`)."""
         return first_missing(self.files, self.world_size)
 
-    def raise_for_missing(self, storage: Storage) -> None:
+    def raise_for_missing(self, storage: Store) -> None:
         """A :class:`FormatError` naming the missing rank files (and surplus ones)."""
         missing = self.missing()
         if missing:
@@ -293,7 +293,7 @@ class RankSet:
 
 
 def describe_ranks(
-    storage: Storage,
+    storage: Store,
     files: Mapping[int, str],
     sizes: Mapping[str, int | None] | None = None,
     group: str | None = None,

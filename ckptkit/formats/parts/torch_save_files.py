@@ -20,7 +20,7 @@ from ...decoding.records import Member, ZipIndex, read_zip_indexes
 from ...decoding.tensor_like import tensor_class
 from ...decoding.unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
 from ...errors import CorruptRecordError, FormatError
-from ...storage import Storage
+from ...storage import Store
 from .legacy_torch_save import MAGIC_PREFIX, LegacyIndex, Span, is_legacy_head, read_legacy
 
 #: Names of torch.save files in a directory (a file the user names is recognised by content).
@@ -37,7 +37,7 @@ def group_of(name: str) -> str:
     return name if group is None else group
 
 
-def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
+def probe(storage: Store, sizes: Mapping[str, int]) -> dict[str, str | None]:
     """Each file's kind by its first bytes: ``"zip"``, ``"legacy"`` (pre-1.6) or None."""
     names = [name for name, size in sizes.items() if size >= 4]
     heads = storage.read_ranges([(name, 0, min(sizes[name], 16)) for name in names])
@@ -50,7 +50,7 @@ def probe(storage: Storage, sizes: Mapping[str, int]) -> dict[str, str | None]:
     return kinds
 
 
-def directory_files(storage: Storage) -> dict[str, int]:
+def directory_files(storage: Store) -> dict[str, int]:
     """The torch.save files (zips or pre-1.6) directly in a directory (``*.pt``, ``*.pth``,
     ``*.bin``, ``*.ckpt``, ``*.pth.tar``, ``*.tar``, ``*.jit``) and their sizes."""
     listing = storage.listdir()
@@ -64,7 +64,7 @@ def directory_files(storage: Storage) -> dict[str, int]:
 
 
 def describe_files(
-    storage: Storage, groups: Mapping[str, str], sizes: Mapping[str, int] | None = None
+    storage: Store, groups: Mapping[str, str], sizes: Mapping[str, int] | None = None
 ) -> dict[str, Entry]:
     """Entries of torch.save zips; ``groups`` maps each file to the group its leaves go under."""
     files = list(groups)
@@ -117,7 +117,7 @@ class Pickled:
 
 
 def load_pickles(
-    storage: Storage,
+    storage: Store,
     files: list[str],
     sizes: Mapping[str, int | None] | None = None,
     allow: Mapping[str, Any] = OBJECT_GLOBALS,
@@ -138,7 +138,7 @@ def load_pickles(
 
 
 def _load_zip_pickles(
-    storage: Storage, files: list[str], sizes: Mapping[str, int | None], allow: Mapping[str, Any]
+    storage: Store, files: list[str], sizes: Mapping[str, int | None], allow: Mapping[str, Any]
 ) -> dict[str, Pickled]:
     """:func:`load_pickles` for torch.save zips."""
     if not files:

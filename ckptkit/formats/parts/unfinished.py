@@ -7,12 +7,12 @@ from __future__ import annotations
 import posixpath
 import warnings
 
-from ...storage import Storage
+from ...storage import Store
 
 __all__ = ["name_reason", "check_unfinished", "OLMO_CONFIG", "check_olmo_config"]
 
 
-def name_reason(storage: Storage) -> str | None:
+def name_reason(storage: Store) -> str | None:
     """Why the directory's name says the save did not finish (``stepN-tmp``), or None."""
     name = posixpath.basename(storage.root.rstrip("/"))
     if name.endswith("-tmp"):
@@ -20,7 +20,7 @@ def name_reason(storage: Storage) -> str | None:
     return None
 
 
-def check_unfinished(storage: Storage, *reasons: str | None) -> str | None:
+def check_unfinished(storage: Store, *reasons: str | None) -> str | None:
     """Why the save at ``storage`` looks unfinished (its ``-tmp`` name, then ``reasons``), with
     a warning naming the directory; None when nothing says so."""
     found = [r for r in (name_reason(storage), *reasons) if r]
@@ -38,7 +38,7 @@ def check_unfinished(storage: Storage, *reasons: str | None) -> str | None:
 OLMO_CONFIG = "config.yaml"
 
 
-def check_olmo_config(storage: Storage) -> str | None:
+def check_olmo_config(storage: Store) -> str | None:
     """:func:`check_unfinished` for OLMo layouts whose completion marker is ``config.yaml``."""
     missing = None if storage.exists(OLMO_CONFIG) else f"no {OLMO_CONFIG} (OLMo writes it last)"
     return check_unfinished(storage, missing)
