@@ -2,9 +2,9 @@
 ``sizes``, ``stats``.
 
 Exit status: 0 done (and, for ``diff`` / ``verify``, nothing found), 1 differences or damage
-found, 2 a usage error or something that is not a checkpoint (one line on stderr), 130
-interrupted. Progress bars appear only on a terminal. ``inspect --json`` imports neither torch
-nor pandas, so it starts fast.
+found, 2 a usage error, something that is not a checkpoint or a store that cannot be reached
+or used (one line on stderr), 130 interrupted. Progress bars appear only on a terminal.
+``inspect --json`` imports neither torch nor pandas, so it starts fast.
 
 The module reads top to bottom: the entry point, the parser (one builder per command and the
 argument groups they share), then one handler per command, each calling an operation and a
@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 from .checkpoint import open as open_checkpoint
@@ -30,6 +31,7 @@ from .views.reports import (
     inspect_text,
     sizes_text,
     stats_text,
+    unshard_text,
     verify_text,
 )
 from .views.terminal import PrintableStream, printable
@@ -47,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stdout = sys.stdout
     sys.stdout = PrintableStream(stdout)
+    code = None
     try:
         with distributed.from_environment() as ranks:  # under torchrun: a gloo process group
             if ranks is not None and ranks.rank != 0:  # every rank has the result: one prints
@@ -58,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except KeyboardInterrupt:  # outputs are staged: nothing half-written is left behind
+        if code is not None:  # the command had finished (its outputs published, reported)
+            return code
         print("ckptkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (CheckpointError, OSError, ValueError) as exc:
@@ -125,6 +130,7 @@ def _add_inspect(commands) -> None:
     )
     inspect.add_argument("path", help="checkpoint directory or fsspec URL (s3://…)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_wide_argument(inspect)
     inspect.add_argument(
         "--top",
         type=int,
@@ -216,6 +222,7 @@ def _add_diff(commands) -> None:
         help=f"list every key (default: keys that are not equal, {DIFF_LIST_CAP} per status)",
     )
     diff.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_wide_argument(diff)
     _add_workers_argument(diff)
     _add_progress_arguments(diff)
     _add_remote_arguments(diff)
@@ -235,6 +242,7 @@ def _add_sizes(commands) -> None:
         "--labels", action="append", metavar="LABEL", help="row name (repeatable; default: paths)"
     )
     sizes.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_wide_argument(sizes)
     _add_remote_arguments(sizes)
     sizes.set_defaults(run=_sizes)
 
@@ -248,6 +256,7 @@ def _add_verify(commands) -> None:
     )
     verify.add_argument("path", help="checkpoint path or fsspec URL")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_wide_argument(verify)
     verify.add_argument(
         "--no-verify-crc",
         "--no-crc",  # its earlier name
@@ -279,13 +288,23 @@ def _add_stats(commands) -> None:
     output = stats.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="machine-readable output")
     output.add_argument("--csv", action="store_true", help="one CSV row per tensor")
+    _add_wide_argument(stats)
     _add_progress_arguments(stats)
     _add_remote_arguments(stats)
     stats.set_defaults(run=_stats)
 
 
 def _add_remote_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--storage-option KEY=VALUE`` (repeatable) and ``--anon``, passed to fsspec."""
+    """``--storage-option KEY=VALUE`` (repeatable) and ``--anon``, passed to fsspec; and
+    ``--allow-root DIR`` (repeatable), a folder local links may lead into."""
+    parser.add_argument(
+        "--allow-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder symlinks in a local checkpoint may lead into (repeatable), e.g. where a "
+        "step folder was moved and linked; by default links may lead only inside the checkpoint",
+    )
     parser.add_argument(
         "--storage-option",
         action="append",
@@ -296,6 +315,16 @@ def _add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--anon", action="store_true", help="anonymous access (public buckets), as anon=true"
+    )
+
+
+def _add_wide_argument(parser: argparse.ArgumentParser) -> None:
+    """``--wide``: text output whole, every column and key, however wide the terminal."""
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="show every column and whole keys (default: fit the terminal's width, long keys "
+        "cut in the middle with …)",
     )
 
 
@@ -360,9 +389,11 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--objects",
         choices=["keep", "drop", "error"],
-        default="keep",
+        default=None,
         help="objects of classes ckptkit does not decode: write them back as pickled (keep, "
-        "the default; loading them needs those classes), leave them out (drop) or stop (error)",
+        "the default; loading them needs those classes), leave them out (drop) or stop (error); "
+        "tensors left as objects (DTensors outside a set of rank files) stop the command unless "
+        "keep is given",
     )
 
 
@@ -435,7 +466,20 @@ def _progress(args: argparse.Namespace, *, machine_output: bool = False) -> bool
 def _source(args: argparse.Namespace):
     """The source checkpoint, opened with the CRC setting of ``--no-verify-crc``."""
     return open_checkpoint(
-        args.src, verify_crc=args.verify_crc, storage_options=_storage_options(args)
+        args.src,
+        verify_crc=args.verify_crc,
+        storage_options=_storage_options(args),
+        allow_roots=args.allow_root,
+    )
+
+
+def _opened(args: argparse.Namespace, path: str, **kwargs: Any) -> Any:
+    """``path`` itself, or the checkpoint there opened with the ``--allow-root`` folders when
+    any are given (operations take an opened checkpoint as it is)."""
+    if not args.allow_root:
+        return path
+    return open_checkpoint(
+        path, storage_options=_storage_options(args), allow_roots=args.allow_root, **kwargs
     )
 
 
@@ -457,11 +501,13 @@ def _print_json(document: dict, *, allow_nan: bool = True) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    ckpt = open_checkpoint(args.path, storage_options=_storage_options(args))
+    ckpt = open_checkpoint(
+        args.path, storage_options=_storage_options(args), allow_roots=args.allow_root
+    )
     if args.json:
         _print_json(inspect_json(ckpt, top=args.top))
     else:
-        print(inspect_text(ckpt, top=10 if args.top is None else args.top))
+        print(inspect_text(ckpt, top=10 if args.top is None else args.top, wide=args.wide))
     return 0
 
 
@@ -483,7 +529,7 @@ def _unshard(args: argparse.Namespace) -> int:
         workers=args.workers,
         storage_options=_storage_options(args),
     )
-    print(result)
+    print(unshard_text(result))
     return 0
 
 
@@ -503,7 +549,7 @@ def _convert(args: argparse.Namespace) -> int:
         workers=args.workers,
         storage_options=_storage_options(args),
     )
-    print(result)
+    print(unshard_text(result))
     return 0
 
 
@@ -511,8 +557,8 @@ def _diff(args: argparse.Namespace) -> int:
     from .ops.diff import SAME, diff
 
     frame = diff(
-        args.a,
-        args.b,
+        _opened(args, args.a),
+        _opened(args, args.b),
         keys=args.keys,
         key_map=_key_map(args),
         rtol=args.rtol,
@@ -521,22 +567,28 @@ def _diff(args: argparse.Namespace) -> int:
         workers=args.workers,
         storage_options=_storage_options(args),
     )
+    for note in frame.attrs.get("notes", ()):  # keys lined up, hints: beside the report
+        print(f"ckptkit: note: {printable(note)}", file=sys.stderr)
     same = bool(frame["status"].isin(SAME).all())
     if args.json:
         _print_json(diff_json(frame, same), allow_nan=False)
     else:
-        print(diff_text(frame, same, show_all=args.all))
+        print(diff_text(frame, same, show_all=args.all, wide=args.wide))
     return 0 if same else EXIT_FOUND
 
 
 def _sizes(args: argparse.Namespace) -> int:
     from .ops.sizes import compare_sizes
 
-    frame = compare_sizes(*args.paths, labels=args.labels, storage_options=_storage_options(args))
+    frame = compare_sizes(
+        *(_opened(args, path) for path in args.paths),
+        labels=args.labels,
+        storage_options=_storage_options(args),
+    )
     if args.json:
         _print_json(sizes_json(frame))
     else:
-        print(sizes_text(frame))
+        print(sizes_text(frame, wide=args.wide))
     return 0
 
 
@@ -544,12 +596,15 @@ def _verify(args: argparse.Namespace) -> int:
     from .ops.verify import verify
 
     frame = verify(
-        args.path, crc=args.crc, workers=args.workers, storage_options=_storage_options(args)
+        _opened(args, args.path, verify_crc=args.crc),
+        crc=args.crc,
+        workers=args.workers,
+        storage_options=_storage_options(args),
     )
     if args.json:
         _print_json(verify_json(args.path, frame))
     else:
-        print(verify_text(args.path, frame))
+        print(verify_text(args.path, frame, wide=args.wide))
     return 0 if frame.empty else EXIT_FOUND
 
 
@@ -557,7 +612,7 @@ def _stats(args: argparse.Namespace) -> int:
     from .ops.stats import stats
 
     frame = stats(
-        args.path,
+        _opened(args, args.path),
         keys=args.keys,
         groups=args.groups,
         fingerprints=args.fingerprint,
@@ -571,7 +626,7 @@ def _stats(args: argparse.Namespace) -> int:
     elif args.csv:
         sys.stdout.write(stats_csv(frame))
     else:
-        print(stats_text(frame))
+        print(stats_text(frame, wide=args.wide))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Byte counts for people: ``1.2 MB`` out, ``5GB`` / ``512MiB`` in."""
+"""Counts for people: ``1.2 MB`` out, ``5GB`` / ``512MiB`` in, and ``1 file`` / ``2 files``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from .errors import UsageError
 
-__all__ = ["human_bytes", "parse_size"]
+__all__ = ["human_bytes", "parse_size", "plural"]
 
 
 def human_bytes(n: float) -> str:
@@ -32,3 +32,13 @@ def parse_size(value: int | str) -> int:
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0]) if unit else 0
     return int(number * base**power)
+
+
+def plural(
+    count: int, noun: str, plural_noun: str | None = None, *, thousands: bool = False
+) -> str:
+    """``count`` with ``noun`` in the number it takes: ``1 file``, ``2 files``, ``0 files``
+    (``plural_noun`` for the irregular ones: ``plural(n, "entry", "entries")``; ``thousands``
+    groups the digits: ``12,700 elements``)."""
+    number = f"{count:,}" if thousands else f"{count}"
+    return f"{number} {noun if count == 1 else plural_noun or noun + 's'}"

@@ -14,12 +14,12 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptkit.units import human_bytes
+from ckptkit.units import human_bytes, plural
 
 from oracle import assert_bit_equal, torch_unsharded
 
-#: One line per written file: ``  name   12.3 KB  5 tensors, 0 objects``.
-FILE_LINE = re.compile(r"^\s+(\S+)\s+(\d+(?:\.\d)? [KMGT]?B)\s+(\d+) tensors, (\d+) objects$")
+#: One line per written file: ``  name   12.3 KB  5 tensors, 0 objects`` (``1 tensor``).
+FILE_LINE = re.compile(r"^\s+(\S+)\s+(\d+(?:\.\d)? [KMGT]?B)\s+(\d+) tensors?, (\d+) objects?$")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -40,7 +40,7 @@ def written_files(result: subprocess.CompletedProcess, dst: Path) -> dict[str, t
         assert size == human_bytes((dst / name).stat().st_size), name
         files[name] = (int(tensors), int(objects))
     total = sum((dst / name).stat().st_size for name in files)
-    assert lines[0] == f"wrote {len(files)} files ({human_bytes(total)}) to {dst}"
+    assert lines[0] == f"wrote {plural(len(files), 'file')} ({human_bytes(total)}) to {dst}"
     assert sorted(p.name for p in dst.iterdir()) == sorted(files)  # nothing else, no staging
     return files
 

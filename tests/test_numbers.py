@@ -23,7 +23,7 @@ from test_conformance import Subjects
 import ckptkit
 from ckptkit.cli import main
 from ckptkit.ops.sizes import CATEGORIES
-from ckptkit.units import human_bytes
+from ckptkit.units import human_bytes, plural
 
 from conformance_cases import CASES, FIXTURES, MEGATRON_ITEMS, Case, Workspace
 
@@ -126,7 +126,7 @@ def test_every_rendering_reports_the_same_files_and_bytes(case, subjects, capsys
     names = ("files", "size", "tensor_bytes", "object_bytes", "overhead_bytes", "metadata_bytes")
     expected = tuple(int(row[name]) for name in names)
     files, size = expected[:2]
-    said = f"{files} files, {human_bytes(size)} on disk"
+    said = f"{plural(files, 'file')}, {human_bytes(size)} on disk"
     where = (
         f"tensors {human_bytes(row['tensor_bytes'])}, objects {human_bytes(row['object_bytes'])}, "
         f"framing {human_bytes(row['overhead_bytes'])}, "
@@ -159,7 +159,7 @@ def test_every_rendering_reports_the_same_files_and_bytes(case, subjects, capsys
 
     html = ckpt._repr_html_()
     assert said in html and where in html, html
-    assert repr(ckpt).endswith(f", {files} files>"), repr(ckpt)
+    assert repr(ckpt).endswith(f", {plural(files, 'file')}>"), repr(ckpt)
 
 
 @pytest.mark.parametrize("case", _params(MEGATRON_CASES))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import html
 import math
 import reprlib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import chain, repeat
 from operator import attrgetter
 from types import SimpleNamespace
@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from ..decoding.unpickler import paused_gc
-from ..units import human_bytes
+from ..units import human_bytes, plural
 from .accounting import ByteAccount, GroupBytes
 from .model import Catalog, Encoding, Entry, shared
 
@@ -36,6 +36,8 @@ __all__ = [
     "files_text",
     "bytes_text",
     "alternates_text",
+    "missing_text",
+    "skipped_lines",
 ]
 
 _preview_repr = reprlib.Repr()
@@ -212,6 +214,12 @@ class Summary:
     #: a first line no reader may miss: tensors ckptkit left as objects, unread
     #: (:func:`~ckptkit.catalog.model.left_as_objects_warning`); '' when there are none
     warning: str = ""
+    #: counted files that are not there (the summary needs only the metadata; ``verify`` says
+    #: what each one held)
+    missing_files: tuple[str, ...] = ()
+    #: files in the checkpoint folder that ckptkit does not read, with why
+    #: (:attr:`~ckptkit.catalog.model.Facts.skipped_files`)
+    skipped_files: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ranked(self) -> bool:
@@ -244,12 +252,19 @@ class Summary:
         """A note naming the alternate groups ('' when there are none)."""
         return alternates_text(self.alternate_groups)
 
+    @property
+    def notes(self) -> list[str]:
+        """Lines on what is not there or not read: missing files, then skipped ones."""
+        missing = [missing_text(self.missing_files)] if self.missing_files else []
+        return missing + skipped_lines(self.skipped_files)
+
     def _repr_html_(self) -> str:
         parts = [f"<p><b>{html.escape(self.warning)}</b></p>"] if self.warning else []
         parts += [
             f"<p><b>{self.parameters_text}</b>, <b>{html.escape(self.files_text)}</b> "
             f"({html.escape(self.bytes_text)})</p>"
         ]
+        parts += [f"<p>{html.escape(line)}</p>" for line in self.notes]
         tables = [("by group", self.by_group), ("by dtype", self.by_dtype)]
         if self.ranked:
             tables.append(("by rank", self.by_rank))
@@ -264,14 +279,15 @@ class Summary:
         text = (
             (f"{self.warning}\n" if self.warning else "")
             + f"{self.parameters_text}, {self.files_text} ({self.bytes_text})"
-            f"\n\nby group:\n{self.by_group}{note}\n\nby dtype:\n{self.by_dtype}"
+            + "".join(f"\n{line}" for line in self.notes)
+            + f"\n\nby group:\n{self.by_group}{note}\n\nby dtype:\n{self.by_dtype}"
         )
         return text + (f"\n\nby rank:\n{self.by_rank}" if self.ranked else "")
 
 
 def files_text(files: int, size: int) -> str:
-    """``'3 files, 1.7 MB on disk'``."""
-    return f"{files} files, {human_bytes(size)} on disk"
+    """``'3 files, 1.7 MB on disk'`` (``'1 file, …'``)."""
+    return f"{plural(files, 'file')}, {human_bytes(size)} on disk"
 
 
 def bytes_text(
@@ -282,6 +298,31 @@ def bytes_text(
         f"tensors {human_bytes(tensor_bytes)}, objects {human_bytes(object_bytes)}, "
         f"framing {human_bytes(overhead_bytes)}, metadata {human_bytes(metadata_bytes)}"
     )
+
+
+def missing_text(files: Sequence[str], *, shown: int = 4) -> str:
+    """``'1 file missing (__1_0.distcp) — run `ckptkit verify`'``: a summary needs only the
+    metadata, so a missing data file is a line of it, not an error."""
+    names = ", ".join(files[:shown]) + (" …" if len(files) > shown else "")
+    noun = "file" if len(files) == 1 else "files"
+    return f"{len(files)} {noun} missing ({names}) — run `ckptkit verify`"
+
+
+def skipped_lines(skipped: Mapping[str, str], *, shown: int = 6, reasons: int = 8) -> list[str]:
+    """One line per reason a file is not read, naming the files (at most ``shown`` each, the
+    first ``reasons`` reasons): ``'skipped: train/rank0.pt, train/rank1.pt (per-rank trainer
+    state beside a DCP: open train/ to read it)'``."""
+    by_reason: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        by_reason.setdefault(why, []).append(name)
+    lines = []
+    for why, names in list(by_reason.items())[:reasons]:
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        lines.append(f"skipped: {', '.join(names[:shown])}{more} ({why})")
+    if len(by_reason) > reasons:
+        rest = sum(len(names) for names in list(by_reason.values())[reasons:])
+        lines.append(f"skipped: {rest} more file(s) (--json lists them)")
+    return lines
 
 
 def alternates_text(groups: tuple[str, ...]) -> str:
@@ -302,15 +343,17 @@ def summarize(
     account: ByteAccount,
     *,
     warning: str = "",
+    skipped: Mapping[str, str] | None = None,
 ) -> Summary:
     """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none);
     files and bytes are ``account``'s (data and metadata files, each stored record once):
     ``by_group`` has each group's tensor ``nbytes`` (its elements) and the ``stored_bytes`` and
-    ``object_bytes`` of the records it is first to view."""
+    ``object_bytes`` of the records it is first to view; ``objects`` may hold a row per record
+    (objects are counted by key). ``skipped``: the files not read, with why."""
     by_group = (
         tensors.groupby("group", sort=False)
         .agg(tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum"))
-        .join(objects.groupby("group", sort=False).agg(objects=("key", "size")), how="outer")
+        .join(objects.groupby("group", sort=False).agg(objects=("key", "nunique")), how="outer")
         .fillna(0)
         .astype("int64")
     )
@@ -336,7 +379,8 @@ def summarize(
     return Summary(
         by_group, by_dtype, by_file, by_rank, parameters, account.size, counted,
         len(account.files), account.metadata_bytes, account.tensor_bytes, account.object_bytes,
-        account.overhead_bytes, account.alternate_groups, warning,
+        account.overhead_bytes, account.alternate_groups, warning, tuple(account.missing),
+        dict(skipped or {}),
     )  # fmt: skip
 
 

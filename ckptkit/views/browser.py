@@ -28,7 +28,7 @@ from ..errors import CheckpointError, KeyNotFoundError
 from ..ops.diff import diff as diff_checkpoints
 from ..ops.source import Source, open_source
 from ..reading import check_coverage, tensor_blocks
-from ..units import human_bytes
+from ..units import human_bytes, plural
 from .plots import plot_chunk_layout, plot_value_histogram
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class Browser(widgets.VBox):
         ckpt = self.checkpoint
         text = (
             f"<b>{html.escape(ckpt.format)}</b> checkpoint <code>{html.escape(ckpt.url)}</code>: "
-            f"{len(self.table)} tensors, {human_bytes(int(self.table['nbytes'].sum()))}"
+            f"{plural(len(self.table), 'tensor')}, {human_bytes(int(self.table['nbytes'].sum()))}"
         )
         if self.other is not None:
             text += (

@@ -19,7 +19,7 @@ from ..catalog.model import Chunk
 from ..errors import KeyNotFoundError, UsageError
 from ..ops.source import Source, open_source
 from ..reading.tensor_blocks import aligned_blocks, as_float
-from ..units import human_bytes
+from ..units import human_bytes, plural
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -151,7 +151,7 @@ def plot_diff(
     ax.invert_yaxis()
     if len(shown):
         ax.set_xscale("log")
-    notes = [f"{zero} keys at 0"] if zero else []
+    notes = [f"{plural(zero, 'key')} at 0"] if zero else []
     if hidden:
         notes.append(f"{hidden} smaller not shown")
     ax.set_title(f"{metric} per key" + (f" ({', '.join(notes)})" if notes else ""))
