@@ -606,3 +606,172 @@ CASES.append(  # the tag directory itself, opened without its run directory's ``
         lambda ws, path: deepspeed_oracle("deepspeed_zero3_ws2"),
     )
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Named per-rank files of training libraries, written here by torch's own FSDP2 (2 gloo ranks,
+# one spawned job): verl's ``global_step_7/actor/{model,optim,extra_state}_world_size_2_rank_{r}.pt``
+# (+ ``fsdp_config.json``, ``huggingface/config.json``, the run's
+# ``latest_checkpointed_iteration.txt``) and Accelerate's FSDP ``use_dcp=False``
+# ``pytorch_model_fsdp_0_rank{r}.bin`` + ``optimizer_0_rank{r}.bin`` (+ ``scheduler.bin``,
+# ``random_states_{r}.pkl``), as /work/shared/fixtures-gen/layouts/{verl_fsdp,accelerate} write
+# them, with other models and seeds. Each saves its live full state beside it.
+
+VERL_STEP = 7
+
+
+class _VerlLM(torch.nn.Module):
+    """verl's test model shape (embed, linear layers, head), smaller and uneven (37 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(37, 20)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(20, 20) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(20)
+        self.lm_head = torch.nn.Linear(20, 37, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(ids)
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return self.lm_head(self.norm(h))
+
+
+class _AccelerateBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(width)
+        self.c_attn = torch.nn.Linear(width, 3 * width)
+        self.c_proj = torch.nn.Linear(3 * width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.c_proj(torch.nn.functional.gelu(self.c_attn(self.ln(h))))
+
+
+class _AccelerateLM(torch.nn.Module):
+    """A GPT-2-like model (blocks of LayerNorm + MLP) with an unsharded int64 buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(29, 12)
+        self.h = torch.nn.ModuleList(_AccelerateBlock(12) for _ in range(2))
+        self.ln_f = torch.nn.LayerNorm(12)
+        self.register_buffer("position_ids", torch.arange(9, dtype=torch.int64))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        for block in self.h:
+            h = block(h)
+        return self.ln_f(h) @ self.wte.weight.t()
+
+
+def _train(model: torch.nn.Module, vocab: int, seed: int, rank: int):
+    """Two AdamW steps (rank-specific batches) and a scheduler: non-trivial optimizer state."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.8, 0.95))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, gamma=0.5)
+    data = torch.Generator().manual_seed(seed + rank)
+    for _ in range(2):
+        ids = torch.randint(vocab, (2, 9), generator=data)
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids.reshape(-1)).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return optimizer, scheduler
+
+
+def _sharded(model: torch.nn.Module, units) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+
+
+def _write_library_rank_files(rank: int, world_size: int, root: str) -> None:
+    """Rank body: verl's and Accelerate's per-rank layouts of FSDP2 models; rank 0 saves each
+    job's full state (model and optimizer gathered by torch) beside them."""
+    import random
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    import writers
+
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    # verl (verl/utils/checkpoint/fsdp_checkpoint_manager.py): model/optimizer state_dict()
+    torch.manual_seed(21)
+    model = _VerlLM()
+    _sharded(model, model.layers)
+    optimizer, scheduler = _train(model, 37, 500, rank)
+    actor = Path(root) / "verl" / f"global_step_{VERL_STEP}" / "actor"
+    (actor / "huggingface").mkdir(parents=True, exist_ok=True)
+    name = f"world_size_{world_size}_rank_{rank}.pt"
+    rng = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    extra = {"lr_scheduler": scheduler.state_dict(), "rng": rng}
+    torch.save(model.state_dict(), actor / f"model_{name}")
+    torch.save(optimizer.state_dict(), actor / f"optim_{name}")
+    torch.save(extra, actor / f"extra_state_{name}")
+    full = {
+        "model": get_model_state_dict(model, options=full_options),
+        "optim": writers._full(optimizer.state_dict()),
+        "extra_state": extra,
+    }
+    if rank == 0:
+        (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
+        (actor / "huggingface" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        (Path(root) / "verl" / "latest_checkpointed_iteration.txt").write_text(str(VERL_STEP))
+        torch.save(full, Path(root) / "verl_reference.pt")
+
+    # Accelerate save_fsdp_model / save_fsdp_optimizer (fsdp_version=2, use_dcp=False)
+    torch.manual_seed(33)
+    model = _AccelerateLM()
+    _sharded(model, model.h)
+    optimizer, scheduler = _train(model, 29, 700, rank)
+    out = Path(root) / "accelerate" / "ckpt"
+    out.mkdir(parents=True, exist_ok=True)
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    torch.save(get_model_state_dict(model), out / f"pytorch_model_fsdp_0_rank{rank}.bin")
+    torch.save(optim_state, out / f"optimizer_0_rank{rank}.bin")
+    torch.save({"step": 2, "cpu": torch.get_rng_state()}, out / f"random_states_{rank}.pkl")
+    full = {
+        "model": get_model_state_dict(model, options=full_options),
+        "optim": writers._full(optim_state),
+        "scheduler": scheduler.state_dict(),
+    }
+    if rank == 0:
+        torch.save(scheduler.state_dict(), out / "scheduler.bin")
+        torch.save(full, Path(root) / "accelerate_reference.pt")
+
+
+def write_library_rank_files(root: Path) -> Path:
+    """Spawn :func:`_write_library_rank_files` at world size 2 into ``root``; returns it."""
+    from ckptkit.examples import _spawn
+
+    root.mkdir(parents=True, exist_ok=True)
+    _spawn(_write_library_rank_files, 2, str(root))
+    return root
+
+
+def _library_rank_files(ws: Workspace) -> Path:
+    return ws.once("library_rank_files", write_library_rank_files)
+
+
+def _library_case(id: str, rel: str, reference: str) -> Case:
+    def oracle(ws: Workspace, path: Path) -> Oracle:
+        state = torch.load(_library_rank_files(ws) / reference, weights_only=False)
+        return live_oracle(state, walk_tuples=True)
+
+    return Case(id, "rank_files", lambda ws: _library_rank_files(ws) / rel, oracle)
+
+
+CASES += [
+    _library_case(
+        "rank-files-verl-fsdp2", f"verl/global_step_{VERL_STEP}/actor", "verl_reference.pt"
+    ),
+    _library_case("rank-files-accelerate-fsdp2", "accelerate/ckpt", "accelerate_reference.pt"),
+]
