@@ -190,8 +190,10 @@ class Facts:
     sharding: str | None = None
     #: Per-rank files (``rank{N}.pt``, ``train/rank{N}.pt``) in rank order.
     rank_files: tuple[str, ...] = ()
-    #: Files a directory holds that no entry comes from, with why (``model.pt`` beside
-    #: ``model.safetensors``: read from safetensors).
+    #: Files in the checkpoint folder that no entry comes from, with why: the adapter's own
+    #: (``model.pt`` beside ``model.safetensors``: read from safetensors) and, in a local folder,
+    #: every other one (``train/rank0.pt``, ``meta.pt``; a folder not looked into as ``logs/``),
+    #: see :mod:`ckptkit.formats.unread_files`. Shown by ``inspect`` and counted by ``sizes``.
     skipped_files: Mapping[str, str] = field(default_factory=dict)
     #: Each safetensors file's ``__metadata__`` header.
     header_metadata: Mapping[str, Mapping[str, str]] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from ..errors import (
     MissingFileError,
     NotACheckpointError,
 )
-from ..storage import Storage
+from ..storage import Store
 from . import (
     dcp,
     deepspeed_zero,
@@ -31,6 +31,7 @@ from . import (
     torchscript,
 )
 from .detection import Detection
+from .unread_files import with_unread_files
 
 #: Adapters in detection order: the first whose ``detect`` answers wins (a directory holding
 #: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
@@ -51,7 +52,7 @@ ADAPTERS: dict[str, ModuleType] = {
 ALIASES = {"legacy": rank_files.NAME}
 
 
-def detect(storage: Storage, format: str | None = None) -> Detection:
+def detect(storage: Store, format: str | None = None) -> Detection:
     """Which format is at ``storage`` (or force ``format``); a clear error when none fits."""
     if format is not None:
         format = ALIASES.get(format, format)
@@ -91,7 +92,7 @@ def detect(storage: Storage, format: str | None = None) -> Detection:
     )
 
 
-def first_detection(storage: Storage) -> Detection | None:
+def first_detection(storage: Store) -> Detection | None:
     """The first adapter's verdict on ``storage``, in :data:`ADAPTERS` order."""
     for adapter in ADAPTERS.values():
         found = adapter.detect(storage)
@@ -101,11 +102,12 @@ def first_detection(storage: Storage) -> Detection | None:
 
 
 def describe(detection: Detection) -> Catalog:
-    """The catalog of a detected checkpoint (of just ``detection.files`` when they are named)."""
+    """The catalog of a detected checkpoint (of just ``detection.files`` when they are named);
+    of a local folder, with every file in it that it does not read in ``facts.skipped_files``."""
     adapter = ADAPTERS[detection.format]
     if detection.files is not None:
         return adapter.describe(detection.storage, files=detection.files)
-    return adapter.describe(detection.storage)
+    return with_unread_files(adapter.describe(detection.storage), detection.storage)
 
 
 __all__ = ["ADAPTERS", "Detection", "detect", "describe"]

@@ -11,6 +11,8 @@ from ..storage import Storage
 from .detection import Detection
 from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA, read_dcp
 
+__all__ = ["NAME", "SUBDIRS", "detect", "describe"]
+
 NAME = "dcp"
 #: Where OLMo ("torch_new") and OLMo-core put the DCP directory inside a step directory.
 SUBDIRS = ("model_and_optim",)

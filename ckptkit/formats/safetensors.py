@@ -37,13 +37,20 @@ from ..storage import Storage
 from .detection import Detection, file_location
 from .parts import torch_save_files as torch_save
 
-__all__ = ["NAME", "SUFFIX", "INDEX_SUFFIX", "detect", "describe", "olmo_keys"]
+__all__ = ["NAME", "SUFFIX", "INDEX_SUFFIX", "SHARDED_DIR", "detect", "describe", "olmo_keys"]
 
 NAME = "safetensors"
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 #: HF's torch.save name for what it calls ``model`` in safetensors (``pytorch_model.bin``).
 _SAME_GROUP = {"pytorch_model": "model"}
+#: Where torch's ``HuggingFaceStorageWriter`` puts each rank's shards when it also writes the
+#: consolidated files beside them.
+SHARDED_DIR = "sharded"
+_SHARDED_REASON = (
+    "per-rank shards of torch's HuggingFaceStorageWriter: the consolidated *.safetensors here "
+    "are read instead, and their values may differ from the shards'; open sharded/ to read those"
+)
 
 
 def detect(storage: Storage) -> Detection | None:
@@ -88,6 +95,8 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
     }
     groups, listed = _file_groups(storage, indexes, plain)
     pickled = _torch_save_files(storage, listing, set(groups.values()), facts)
+    if listing.get(SHARDED_DIR) == -1:  # from the listing made anyway: no listing of its own
+        facts.setdefault("skipped_files", {})[f"{SHARDED_DIR}/"] = _SHARDED_REASON
     builder.add_files([*groups, *pickled])
     source = storage.describe()
     builder.add_all(_describe_safetensors(storage, groups, listed, facts).values(), source=source)

@@ -6,11 +6,12 @@ files and bytes every report shares); no tensor bytes are read.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MissingFileError, UsageError
+from ..errors import CheckpointError, MissingFileError, UnsafePathError, UsageError
 from .source import Source, open_source
 
 if TYPE_CHECKING:
@@ -18,7 +19,14 @@ if TYPE_CHECKING:
 
     from ..catalog.accounting import ByteAccount
 
-__all__ = ["CATEGORIES", "GROUP_CATEGORIES", "category", "byte_account", "compare_sizes"]
+__all__ = [
+    "CATEGORIES",
+    "GROUP_CATEGORIES",
+    "category",
+    "byte_account",
+    "compare_sizes",
+    "skipped_bytes",
+]
 
 #: The columns group bytes are summed into, in display order.
 CATEGORIES = ("model", "optim", "train", "other")
@@ -98,7 +106,8 @@ def compare_sizes(
     and ``object_bytes`` their totals, ``overhead_bytes`` the framing in data files (zip
     headers, pickles around tensors, safetensors headers; never negative), ``metadata_bytes``
     the index files. ``alternate_bytes`` names what alternate views (Megatron's ``stacked.*``)
-    re-expose: bytes other groups hold, not added again. Dtype columns (``float32``…) hold
+    re-expose: bytes other groups hold, not added again. ``skipped_bytes`` is the files in the
+    checkpoint folder ckptkit does not read (``facts.skipped_files``), outside ``size``. Dtype columns (``float32``…) hold
     stored tensor bytes; ``ratio`` is ``size`` over the first row's. Group names map to
     categories by :data:`GROUP_CATEGORIES`; ``categories`` adds ``{group: category}`` entries.
     """
@@ -142,8 +151,28 @@ def _sizes(source: Source, extra: Mapping[str, str] | None) -> dict[str, Any]:
         "overhead_bytes": account.overhead_bytes,
         "metadata_bytes": account.metadata_bytes,
         "alternate_bytes": account.alternate_bytes,
+        "skipped_bytes": skipped_bytes(source),
         "dtypes": dict(account.by_dtype),
     }
+
+
+def skipped_bytes(source: Source) -> int:
+    """Bytes on disk of the files in the checkpoint folder ckptkit does not read
+    (:attr:`~ckptkit.catalog.model.Facts.skipped_files`; not in ``size``). A folder named
+    ``name/`` counts its files one level down, when local; a name ckptkit refuses counts 0."""
+    storage = source.storage
+    files, folders = [], []
+    for name in source.catalog.facts.skipped_files:
+        try:
+            storage.path(name.rstrip("/"))
+        except UnsafePathError:
+            continue
+        (folders if name.endswith("/") else files).append(name)
+    total = sum(size or 0 for size in storage.sizes(files).values()) if files else 0
+    for folder in folders if storage.local else ():
+        with contextlib.suppress(CheckpointError):
+            total += sum(size for size in storage.listdir(folder.rstrip("/")).values() if size > 0)
+    return total
 
 
 def _by_category(account: ByteAccount, extra: Mapping[str, str] | None) -> dict[str, int]:

@@ -59,6 +59,9 @@ def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
             "parameters": sum(e.numel for e in model or catalog.tensors()),
             "parameters_counted": "model" if model else "all tensors",
             "groups": groups,
+            # counted files not there (``verify`` says what each held), and files not read
+            "missing_files": list(account.missing),
+            "skipped_files": dict(catalog.facts.skipped_files),
         },
         "tensors": [
             {

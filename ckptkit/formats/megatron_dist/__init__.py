@@ -47,7 +47,7 @@ from typing import Any
 from ...catalog.model import Catalog, CatalogBuilder, Chunk, Entry, Facts, pickle_leaf
 from ...decoding.unpickler import OBJECT_GLOBALS, TensorRef, safe_loads
 from ...errors import CheckpointError, FormatError, MissingFileError
-from ...storage import Storage
+from ...storage import Store
 from ..detection import Detection
 from ..parts.dcp_metadata import DATA_FILE, METADATA, read_dcp
 from ..parts.torch_save_files import leaves, load_pickles, pickle_entries, tensor_record
@@ -69,7 +69,7 @@ STACKED_GROUP = "stacked"
 _REFORMULATED = "nd_reformulated_orig_global_shape"
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """A ``torch_dist`` directory (``metadata.json`` naming its backend, beside ``.metadata``),
     a run directory whose tracker names one, or the legacy layout (recognised, unsupported).
 
@@ -103,7 +103,7 @@ def detect(storage: Storage) -> Detection | None:
     return inner
 
 
-def _detect_here(storage: Storage, listing: dict[str, int]) -> Detection | None:
+def _detect_here(storage: Store, listing: dict[str, int]) -> Detection | None:
     if CONFIG in listing:
         config = _config(storage)
         if config is None:
@@ -126,7 +126,7 @@ def _detect_here(storage: Storage, listing: dict[str, int]) -> Detection | None:
     return None
 
 
-def _config(storage: Storage) -> dict[str, Any] | None:
+def _config(storage: Store) -> dict[str, Any] | None:
     """``metadata.json`` when it is a Megatron one (a JSON object naming ``sharded_backend``)."""
     try:
         config = json.loads(storage.read_file(CONFIG, max_bytes=1 << 20))
@@ -137,7 +137,7 @@ def _config(storage: Storage) -> dict[str, Any] | None:
     return None
 
 
-def _tracked_iteration(storage: Storage) -> str | None:
+def _tracked_iteration(storage: Store) -> str | None:
     """The ``iter_NNNNNNN`` (or ``release``) directory the run's tracker file names."""
     try:
         text = storage.read_file(TRACKER, max_bytes=64).decode("ascii").strip()
@@ -148,7 +148,7 @@ def _tracked_iteration(storage: Storage) -> str | None:
     return f"iter_{int(text):07d}" if text.isdigit() else None
 
 
-def describe(storage: Storage) -> Catalog:
+def describe(storage: Store) -> Catalog:
     """The catalog of a ``torch_dist`` directory: its DCP metadata, ``common.pt`` and per-layer
     views of the stacked layer tensors (reading their records' zip directories)."""
     _check_supported(storage)
@@ -180,7 +180,7 @@ def describe(storage: Storage) -> Catalog:
     )
 
 
-def _check_supported(storage: Storage) -> None:
+def _check_supported(storage: Store) -> None:
     """Refuse, naming the layout, what this adapter recognises but cannot read."""
     listing = storage.listdir()
     found = _detect_here(storage, listing)
@@ -216,7 +216,7 @@ def _group(key: str) -> tuple[str, str]:
     return "model", key
 
 
-def _placed_entries(storage: Storage, entries: list[Entry], mcore: dict[str, dict]) -> list[Entry]:
+def _placed_entries(storage: Store, entries: list[Entry], mcore: dict[str, dict]) -> list[Entry]:
     """The stored entries under their groups, stacked tensors as per-layer entries (layer by
     layer, where the first stacked one of their group was) plus the stored originals."""
     stacked = [
@@ -271,7 +271,10 @@ def _placed_entries(storage: Storage, entries: list[Entry], mcore: dict[str, dic
         if isinstance(item, str):
             placed += [view for _, _, view in sorted(blocks[item], key=lambda b: b[:2])]
         elif item.kind == "object" and _plain(item):
-            placed += _object_leaves(storage, item)
+            try:
+                placed += _object_leaves(storage, item)
+            except MissingFileError:  # kept whole: reading it names the missing file
+                placed.append(item)
         else:
             placed.append(item)
     placed += [
@@ -292,7 +295,7 @@ def _plain(entry: Entry) -> bool:
     )
 
 
-def _object_leaves(storage: Storage, entry: Entry) -> list[Entry]:
+def _object_leaves(storage: Store, entry: Entry) -> list[Entry]:
     """A ShardedObject (``torch.save([obj])``) as the leaves of ``obj`` under its key: tensors
     inside it (RNG states) as RAW tensor entries, the rest read from its ``data.pkl``, as torch
     flattens a state dict. The one-element list Megatron wraps ``obj`` in is not a level."""
