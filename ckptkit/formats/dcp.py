@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ..catalog.model import Catalog, CatalogBuilder, Facts
 from ..errors import MissingFileError
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection
 from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA, read_dcp
 
@@ -18,7 +18,7 @@ NAME = "dcp"
 SUBDIRS = ("model_and_optim",)
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """DCP when ``.metadata`` (or rank-local ``__R.metadata``) is here or in ``model_and_optim/``."""
     if storage.exists(METADATA):
         return Detection(NAME, storage, [f"found {METADATA}"])
@@ -38,7 +38,7 @@ def detect(storage: Storage) -> Detection | None:
     return None
 
 
-def describe(storage: Storage) -> Catalog:
+def describe(storage: Store) -> Catalog:
     """The catalog of a DCP directory, from its metadata file(s) alone."""
     entries, files, facts = read_dcp(storage)
     builder = CatalogBuilder(NAME)

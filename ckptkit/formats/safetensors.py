@@ -33,7 +33,7 @@ from ..catalog.model import (
 from ..decoding.records import safetensors_file_headers
 from ..decoding.unpickler import OBJECT_GLOBALS, safe_loads
 from ..errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
-from ..storage import Storage
+from ..storage import Store
 from .detection import Detection, file_location
 from .parts import torch_save_files as torch_save
 
@@ -53,7 +53,7 @@ _SHARDED_REASON = (
 )
 
 
-def detect(storage: Storage) -> Detection | None:
+def detect(storage: Store) -> Detection | None:
     """safetensors when the location is a ``.safetensors`` (or index) file, or a directory
     holding any."""
     located = file_location(storage)
@@ -73,7 +73,7 @@ def detect(storage: Storage) -> Detection | None:
     return Detection(NAME, storage, [f"found {shown}"])
 
 
-def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
+def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of the named safetensors ``files`` (an index names its shards) or of a
     whole directory (each file's tensors under its group). Reads headers only."""
     facts: dict[str, Any] = {}
@@ -105,7 +105,7 @@ def describe(storage: Storage, files: list[str] | None = None) -> Catalog:
 
 
 def _file_groups(
-    storage: Storage, indexes: Mapping[str, str], plain: Mapping[str, str]
+    storage: Store, indexes: Mapping[str, str], plain: Mapping[str, str]
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Safetensors file → group, an index's shards taking the index's group;
     and each key an index lists → the index, to check that its shard holds it."""
@@ -123,7 +123,7 @@ def _file_groups(
 
 
 def _torch_save_files(
-    storage: Storage, listing: Mapping[str, int], held: set[str], facts: dict[str, Any]
+    storage: Store, listing: Mapping[str, int], held: set[str], facts: dict[str, Any]
 ) -> dict[str, str]:
     """torch.save zips to describe next to safetensors: ckptkit's ``<group>.objects.pt`` side
     files and groups no safetensors file holds; the others go to ``facts["skipped_files"]``."""
@@ -155,7 +155,7 @@ def _torch_save_files(
     return files
 
 
-def _weight_map(storage: Storage, name: str) -> dict[str, str]:
+def _weight_map(storage: Store, name: str) -> dict[str, str]:
     """Tensor name → shard file, from an HF ``*.safetensors.index.json``."""
     source = storage.describe(name)
     try:
@@ -170,7 +170,7 @@ def _weight_map(storage: Storage, name: str) -> dict[str, str]:
 
 
 def _describe_safetensors(
-    storage: Storage,
+    storage: Store,
     groups: Mapping[str, str],
     listed: Mapping[str, str],
     facts: dict[str, Any],
@@ -267,7 +267,7 @@ def olmo_keys(tensors: Mapping[str, Any], source: str) -> dict[str, tuple[tuple,
     return decoded or None
 
 
-def _pickled_entries(storage: Storage, pending: list[tuple[tuple, Record]]) -> dict[str, Entry]:
+def _pickled_entries(storage: Store, pending: list[tuple[tuple, Record]]) -> dict[str, Entry]:
     """An object entry per leaf of each pickled value (walked as torch flattens, so OLMo's
     ``param_groups`` gives ``optim.param_groups.0.lr`` as a torch.save ``optim.pt`` does)."""
     blobs = storage.read_ranges([(r.file, r.offset, r.offset + r.length) for _, r in pending])

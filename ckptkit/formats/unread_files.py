@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 from ..catalog.model import Catalog
 from ..errors import CheckpointError, UnsafePathError
-from ..storage import Storage
+from ..storage import Store
 from .parts.rank_sets import NAMED_RANK_FILE, RANK_FILE
 from .parts.torch_save_files import SUFFIXES as TORCH_SAVE_SUFFIXES
 
@@ -39,7 +39,7 @@ _SCRIPTS = (".py", ".sh")
 _CONFIGS = frozenset({"config.yaml", "config.yml", "config.json"})
 
 
-def with_unread_files(catalog: Catalog, storage: Storage) -> Catalog:
+def with_unread_files(catalog: Catalog, storage: Store) -> Catalog:
     """``catalog`` with every file of the local folder ``storage`` it does not read added to
     ``facts.skipped_files`` (the adapter's own reasons kept); ``catalog`` itself when the folder
     is remote, cannot be listed, or holds nothing else."""
@@ -60,7 +60,7 @@ def with_unread_files(catalog: Catalog, storage: Storage) -> Catalog:
 
 
 def unread_files(
-    storage: Storage, read: Iterable[str], known: Mapping[str, str], format: str
+    storage: Store, read: Iterable[str], known: Mapping[str, str], format: str
 ) -> dict[str, str]:
     """``{name: why}`` for each file of the folder ``storage`` outside ``read`` (names relative
     to it) and outside the folders ``known`` names (``sharded/``); a sub-folder nothing is read
@@ -94,7 +94,7 @@ def _folders_of(name: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def _listed(storage: Storage, path: str, size: int, format: str) -> tuple[str, str]:
+def _listed(storage: Store, path: str, size: int, format: str) -> tuple[str, str]:
     """The name a file (or, ``size`` < 0, a folder: ``name/``) nothing reads is listed under,
     and why it is skipped."""
     refused = _refused(storage, path)
@@ -104,7 +104,7 @@ def _listed(storage: Storage, path: str, size: int, format: str) -> tuple[str, s
     return shown, refused or _reason(path, format)
 
 
-def _refused(storage: Storage, path: str) -> str:
+def _refused(storage: Store, path: str) -> str:
     """Why ckptkit would refuse to open ``path`` (a control character in it…), '' if it would
     not: such a name is listed, escaped, and never looked into."""
     try:
