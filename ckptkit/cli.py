@@ -9,6 +9,8 @@ or used (one line on stderr), 130 interrupted. Progress bars appear only on a te
 The module reads top to bottom: the entry point, the parser (one builder per command and the
 argument groups they share), then one handler per command, each calling an operation and a
 renderer of :mod:`ckptkit.views`.
+
+Longer than most: seven commands' parsers and handlers; the renderers live in views/.
 """
 
 from __future__ import annotations

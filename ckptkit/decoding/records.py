@@ -7,6 +7,9 @@ members of one name and trusts the central directory, Python's ``zipfile`` compa
 header's name with it. So a name listed twice, a local header disagreeing with its central
 directory entry (name, compression, sizes, CRC-32) and members overlapping each other or the
 directory are refused (:class:`CorruptRecordError`, naming the file and the member).
+
+Longer than most: the zip reader's consistency checks (one answer per file) sit beside the
+records they guard.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ classes, as entries → chunks → records. Never reads a data file.
 
 Shared by the ``dcp`` adapter and OLMo step directories (``olmo_dcp``), whose DCP sits in
 ``model_and_optim/``: there every record's file is built with that prefix.
+
+Longer than most: the stand-ins for every torch version's metadata classes and their type checks
+are one contract.
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ must match the files present (every rank 0..N-1) and what the contents say.
 Pickle safety. The rank files' pickles are decoded with
 :data:`.fsdp_pickles.ALLOWED_GLOBALS`: plain stand-ins for the ShardedTensor and DTensor
 classes, nothing from torch imported or run (see :mod:`.fsdp_pickles`).
+
+Longer than most: one rank-set builder for four layouts (FSDP1, FSDP2, OLMo legacy, named
+library sets), whose geometry checks only make sense together.
 """
 
 from __future__ import annotations
