@@ -392,8 +392,9 @@ def _add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
         "--objects",
         choices=["keep", "drop", "error"],
         default=None,
-        help="objects of classes ckptkit does not decode: write them back as pickled (keep, "
-        "the default; loading them needs those classes), leave them out (drop) or stop (error); "
+        help="objects whose pickle names globals not known to be harmless: write them back "
+        "as pickled (keep, the default; loading the output imports or calls those globals, and "
+        "torch.load(weights_only=True) refuses it), leave them out (drop) or stop (error); "
         "tensors left as objects (DTensors outside a set of rank files) stop the command unless "
         "keep is given",
     )
