@@ -242,11 +242,12 @@ def _largest_table(largest: pd.DataFrame, width: int | None) -> list[str]:
 
 def unshard_text(result: UnshardResult, *, width: int | None = None) -> str:
     """What ``unshard`` / ``convert`` print: the result's report (``str(result)``), a line too
-    wide for ``width`` (the terminal's by default) broken at spaces, indented as it was."""
+    wide for ``width`` (the terminal's by default) broken at spaces, indented as it was; the
+    first line (``wrote … to DST``) stays whole, as scripts read the destination from it."""
     limit = _limit(False, width)
     lines = []
-    for line in str(result).splitlines():
-        if len(line) <= limit:
+    for number, line in enumerate(str(result).splitlines()):
+        if number == 0 or len(line) <= limit:
             lines.append(line)
         else:
             body = line.lstrip(" ")
