@@ -2,11 +2,13 @@
 
 Each notebook is executed once per kind of checkpoint. On the sample (its default) nbval runs
 it in ``make test`` (``pytest tests notebooks --nbval-lax``, see notebooks/conftest.py); here
-papermill runs it, in a fresh kernel from an unrelated working directory, on two other real
-checkpoints: a DCP written by torch in this session (DTensors sharded along columns, no
-optimizer) and an OLMo checkpoint from tests/fixtures. Each run must complete and its outputs
-must name the checkpoint's own keys, never the sample's. What the notebooks show about the
-sample is asserted below directly in Python, on the same sample (``test_sample_*``).
+papermill runs it, in a fresh kernel from an unrelated working directory, on other real
+checkpoints (``KINDS``): a DCP written by torch in this session (DTensors sharded along
+columns, no optimizer) and, from tests/fixtures, OLMo, OLMo-core, DeepSpeed and Megatron
+checkpoints (notebook 09 on their run folders). Each run must complete, its outputs must name
+the checkpoint's own keys and format, never the sample's keys or sentences about the sample.
+What the notebooks show about the sample is asserted below directly in Python, on the same
+sample (``test_sample_*``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 import ckptkit
-from ckptkit.examples import sample_checkpoint, sample_workspace
+from ckptkit.examples import sample_checkpoint, sample_workspace, write_run
 from ckptkit.views import plots
 
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
@@ -77,6 +79,20 @@ def largest(ckpt: ckptkit.Checkpoint, *, by_chunks: bool = False) -> str:
 
 # -- every notebook on real checkpoints ---------------------------------------------------------
 
+#: Checked-in checkpoints of each kind the notebooks run on besides the sample and the DCP torch
+#: writes in the session: OLMo (torch_new), OLMo-core's own DCP (its `model_and_optim` folder,
+#: whose .metadata torch cannot read without olmo_core), DeepSpeed ZeRO-2 and Megatron-core.
+FIXTURE_KINDS = {
+    "olmo": OLMO,
+    "olmo_core": FIXTURES / "olmo_core3_trainer_ws2" / "step3" / "model_and_optim",
+    "deepspeed": FIXTURES / "deepspeed_zero2_ws2" / "checkpoint",
+    "megatron": FIXTURES / "megatron_mcore016_gpt_tp2_ws2" / "checkpoint",
+}
+KINDS = ("dcp", *FIXTURE_KINDS)
+#: Words only a run on the sample may print (the notebooks explain the sample's quirks).
+SAMPLE_ONLY_TEXT = ("the sample", "TinyLM")
+NEGATIVE_NUMBER = re.compile(r"(?<![\w.])-\d")
+
 
 @pytest.fixture(scope="session")
 def column_sharded(written) -> Path:
@@ -87,18 +103,39 @@ def column_sharded(written) -> Path:
 # No "sample" target: nbval runs every notebook on the sample in `make test`, and the
 # test_sample_* tests below assert what those runs show. (`samples`: kernels inherit the
 # session's workspace, so their scratch directories are removed with it.)
-@pytest.fixture(params=["dcp", "olmo"])
+@pytest.fixture(params=KINDS)
 def target(request, samples) -> tuple[str, Path]:
     """(label, checkpoint path) of a checkpoint other than the sample."""
     if request.param == "dcp":
         return "dcp", request.getfixturevalue("column_sharded")
-    return "olmo", OLMO
+    return request.param, FIXTURE_KINDS[request.param]
 
 
-def _check_keys(text: str, label: str, expected: str) -> None:
+def _check_outputs(
+    text: str, label: str, expected: str, ckpt: ckptkit.Checkpoint, *, shows_format: bool = True
+) -> None:
+    """The outputs name ``expected`` (and the format of ``ckpt``, the checkpoint the notebook
+    ran on), neither keys only the sample has nor sentences about the sample."""
     assert expected in text, f"{label}: {expected!r} is not in the notebook's outputs"
-    leaked = [key for key in SAMPLE_ONLY if key in text]
-    assert not leaked, f"{label}: the outputs mention the sample's keys {leaked}"
+    if shows_format:
+        assert ckpt.format in text, f"{label}: its format {ckpt.format!r} is not in the outputs"
+    own = set(ckpt.keys())
+    sample_keys = [k for k in SAMPLE_ONLY if k in text and not any(k in key for key in own)]
+    assert not sample_keys, f"{label}: the outputs mention the sample's keys {sample_keys}"
+    said = [words for words in SAMPLE_ONLY_TEXT if words.lower() in text.lower()]
+    assert not said, f"{label}: the outputs speak of the sample ({said})"
+
+
+def _cell_output(cwd: Path, name: str, source_start: str) -> str:
+    """The text of the outputs of the one cell of the executed notebook ``name`` (in ``cwd``,
+    as :func:`run` leaves it) whose source starts with ``source_start``."""
+    cells = json.loads((cwd / f"{name}.out.ipynb").read_text())["cells"]
+    found = [c for c in cells if "".join(c["source"]).startswith(source_start)]
+    assert len(found) == 1, (name, source_start, len(found))
+    return "\n".join(
+        "".join(output.get("text", "")) + "".join(output.get("data", {}).get("text/plain", ""))
+        for output in found[0]["outputs"]
+    )
 
 
 def _open(path: Path) -> ckptkit.Checkpoint:
@@ -107,19 +144,27 @@ def _open(path: Path) -> ckptkit.Checkpoint:
 
 def test_01_inspect(target, tmp_path):
     label, path = target
-    text = run("01_inspect", tmp_path, checkpoint=path)
+    # storage_options as `-p storage_options '{}'` passes it: text
+    text = run("01_inspect", tmp_path, checkpoint=path, storage_options="{}")
     ckpt = _open(path)
-    _check_keys(text, label, largest(ckpt, by_chunks=True))
+    _check_outputs(text, label, largest(ckpt, by_chunks=True), ckpt)
     assert f"{ckpt.format} checkpoint" in text  # inspect_text's first line
+    # the bytes on disk by rank, drawn as stacked bars: tensors, objects, framing, none negative
+    on_disk = _cell_output(tmp_path, "01_inspect", "fig, (left, right)")
+    assert "framing (zip + pickle)" in on_disk and not NEGATIVE_NUMBER.search(on_disk), on_disk
 
 
 def test_02_compare_sizes(target, tmp_path):
     label, path = target
-    text = run("02_compare_sizes", tmp_path, checkpoint=path)
+    # `others` as `-p others PATH` passes it: one path, not a list
+    text = run("02_compare_sizes", tmp_path, checkpoint=path, others=str(path))
     ckpt = _open(path)
-    total = int(ckpt.tensors["nbytes"].sum())
-    assert re.search(rf"\b{total}\b", text), f"{label}: tensor bytes {total} not shown"
+    _check_outputs(text, label, "other 1", ckpt)
+    stored = int(ckpt.summary().by_group["stored_bytes"].sum())
+    assert re.search(rf"\b{stored}\b", text), f"{label}: tensor bytes {stored} not shown"
     assert "equal" in text and "different" not in text  # the copies hold the same values
+    overhead = _cell_output(tmp_path, "02_compare_sizes", "overhead = ")
+    assert "overhead_share" in overhead and not NEGATIVE_NUMBER.search(overhead), overhead
 
 
 def test_03_diff_tensors(target, tmp_path):
@@ -132,25 +177,40 @@ def test_03_diff_tensors(target, tmp_path):
     real = set(ckpt.tensors["key"])
     shown = {key for key in real if key in text}
     assert len(shown) >= min(5, len(real)), f"{label}: outputs name {sorted(shown)}"
-    _check_keys(text, label, sorted(shown)[0])
+    _check_outputs(text, label, sorted(shown)[0], ckpt, shows_format=False)
 
 
 def test_04_convert_and_unshard(target, tmp_path):
     label, path = target
     text = run("04_convert_and_unshard", tmp_path, checkpoint=path)
     ckpt = _open(path)
+    _check_outputs(text, label, f"<Checkpoint {ckpt.format} ", ckpt)
     groups = list(ckpt.tensors["group"].unique())
     group = "model" if "model" in groups else groups[0]
     n = int((ckpt.tensors["group"] == group).sum())
     assert f"{group}.pt: {n} tensors, {n} equal to ckpt.read" in text
     assert f"{n} of {n} tensors come back equal through DCP" in text
+    # torch's own converter: compared on a plain DCP it reads, said why not on one it cannot read
+    if label == "dcp":
+        same = re.search(rf"(\d+) of (\d+) entries of {group}\.pt equal dcp_to_torch_save's", text)
+        assert same and same[1] == same[2], f"{label}: not all equal torch's: {same}"
+    elif label == "olmo_core":
+        from torch.distributed.checkpoint import CheckpointException
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with pytest.raises(CheckpointException, match="No module named 'olmo_core'"):
+            dcp_to_torch_save(str(path), str(tmp_path / "torch.pt"))
+        assert "torch's dcp_to_torch_save cannot read this checkpoint" in text
+        assert "`olmo_core` is not installed here" in text
+    else:
+        assert f"a {ckpt.format} checkpoint, not a plain local DCP directory" in text
 
 
 def test_05_remote_s3(target, tmp_path, s3):
     label, path = target
     text = run("05_remote_s3", tmp_path, checkpoint=path)
     ckpt = _open(path)
-    _check_keys(text, label, largest(ckpt))
+    _check_outputs(text, label, largest(ckpt), ckpt)
     files = re.search(r"(\d+) of (\d+) files identical", text)
     assert files and files[1] == files[2], f"{label}: unshard from S3 differs from local"
 
@@ -159,7 +219,7 @@ def test_06_browse(target, tmp_path):
     label, path = target
     text = run("06_browse", tmp_path, checkpoint=path)
     ckpt = _open(path)
-    _check_keys(text, label, largest(ckpt, by_chunks=True))
+    _check_outputs(text, label, largest(ckpt, by_chunks=True), ckpt)
     assert "different" in text and "equal" in text
 
 
@@ -167,11 +227,19 @@ def test_07_audit(target, tmp_path):
     label, path = target
     text = run("07_audit", tmp_path, checkpoint=path)
     assert "no problems found" in text
-    assert "truncated" in text and "TruncatedFileError" in text
     ckpt = _open(path)
-    flipped = re.search(r"flipped a bit of (\S+) in", text)
-    assert flipped and flipped[1] in set(ckpt.tensors["key"])
-    _check_keys(text, label, flipped[1])
+    damage = re.search(r"truncated (\S+) to [\d,]+ bytes; flipped a bit of (\S+) in", text)
+    assert damage and damage[2] in set(ckpt.tensors["key"]), damage
+    truncated = damage[1]
+    report = _cell_output(tmp_path, "07_audit", "if damage:\n    problems = ")
+    if "opening the damaged copy" in text:  # its metadata sits in the cut file (DeepSpeed)
+        assert "corrupt record" in report, report
+    else:
+        assert truncated in report and "truncated" in report, report
+    # reading the copy (or opening it, where it cannot be opened) raises an error naming the file
+    error = rf"(TruncatedFileError|CorruptRecordError): [^\n]*{re.escape(truncated)}"
+    assert re.search(error, text), f"{label}: no error names {truncated}"
+    _check_outputs(text, label, damage[2], ckpt, shows_format=False)
 
 
 def test_08_layouts(target, tmp_path):
@@ -183,13 +251,59 @@ def test_08_layouts(target, tmp_path):
     text = run("08_olmo_layouts", tmp_path, first=path, second=second)
     first = ckptkit.open(str(path))
     common = first.tensors.merge(_open(second).tensors[["key"]], on="key")
-    _check_keys(text, label, largest_common(common))
+    _check_outputs(text, label, largest_common(common), first)
     statuses = re.search(r"status\n((?:\w+\s+\d+\n?)+)", text)
     assert statuses and set(re.findall(r"(\w+)\s+\d+", statuses[1])) == {"equal"}
 
 
 def largest_common(common) -> str:
     return common.nlargest(1, "nbytes")["key"].iloc[0]
+
+
+@pytest.fixture(scope="session")
+def gapped_run(samples, tmp_path_factory) -> Path:
+    """A DCP run folder saved at steps 1 and 4 by torch (TinyLM, FSDP2, 2 ranks): its two
+    checkpoints are 3 steps apart, as a run saving every few steps leaves them."""
+    return write_run(tmp_path_factory.mktemp("gapped") / "run", steps=[1, 4])
+
+
+def _run_folder(label: str, path: Path, request, tmp_path: Path) -> Path:
+    """The run folder of a kind: where its training job saved its checkpoints."""
+    if label == "dcp":
+        return request.getfixturevalue("gapped_run")
+    if label == "megatron":  # Megatron's layout: iter_NNNNNNN/ and the tracker file
+        iteration = ckptkit.open(str(path)).read_object("common.iteration")
+        folder = tmp_path / "megatron_run"
+        shutil.copytree(path, folder / f"iter_{iteration:07d}")
+        (folder / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+        return folder
+    if label == "deepspeed":  # `latest` naming global_step2/
+        return path
+    return path.parent if label == "olmo" else path.parent.parent  # holding step3/
+
+
+def test_09_run_audit(target, tmp_path, request):
+    """The run of each kind; update ratios per step when its checkpoints are steps apart."""
+    label, path = target
+    folder = _run_folder(label, path, request, tmp_path)
+    text = run("09_run_audit", tmp_path, run_path=folder)
+    audited = ckptkit.run(str(folder))
+    steps, last = audited.steps, audited.steps[-1]
+    model = ckptkit.fingerprint(audited.location(last), groups="model")
+    _check_outputs(text, label, f"model fingerprint at step {last}: {model}", audited.open(last))
+    assert f"alert(s) over {len(steps)} steps" in text
+    if len(steps) == 1:
+        assert "1 step(s): no consecutive pair to compare" in text
+        return
+    a, b = steps
+    assert f"steps between the checkpoints compared: {{'{a}→{b}': {b - a}}}" in text
+    per_step = audited.diff(a, b, keys="model.*").set_index("key")["rel_l2"] / (b - a)
+    table = _cell_output(tmp_path, "09_run_audit", "ratios, gaps = ")
+    shown = dict(re.findall(r"^(model\.\S+)\s+(\S+)$", table, flags=re.MULTILINE))
+    shown = {key: float(value) for key, value in shown.items() if key in per_step.index}
+    assert len(shown) >= 5, table
+    for key, value in shown.items():
+        assert value == pytest.approx(per_step[key], rel=1e-3, abs=1e-6), key
 
 
 def test_notebooks_take_parameters_and_leave_nothing_behind():
