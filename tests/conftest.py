@@ -66,7 +66,11 @@ R = Category
 CATEGORIES: list[Category] = [
     # -- notebooks: a Jupyter kernel per notebook run
     R("notebooks", "notebooks/*", "nbval: every notebook on the sample (make test)"),
-    R("notebooks", "tests/test_notebooks.py::test_0*", "papermill: on a DCP, OLMo, OLMo-core, DeepSpeed, Megatron"),
+    R(
+        "notebooks",
+        "tests/test_notebooks.py::test_0*",
+        "papermill: on a DCP, OLMo, OLMo-core, DeepSpeed, Megatron",
+    ),
     # -- browser
     R("browser", "tests/test_browser.py::*", "Voila server + Chromium driven by Playwright"),
     # -- ranks: jobs the test starts
