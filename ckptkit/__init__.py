@@ -55,10 +55,22 @@ def browse(
     compare_to: str | Checkpoint | None = None,
     storage_options: dict | None = None,
 ) -> browser.Browser:
-    """An ipywidgets browser over ``source``'s tensors (see :mod:`ckptkit.browser`).
+    """An ipywidgets browser over ``source``'s tensors (see :mod:`ckptkit.views.browser`).
 
     Imported on first use, so ``import ckptkit`` needs no ipywidgets. (The module is not named
     ``browse``: importing it would rebind ``ckptkit.browse`` from this function to the module.)
+
+    Args:
+        source: the checkpoint: a path or fsspec URL, or an opened :class:`Checkpoint`.
+        compare_to: another checkpoint (same forms) the selected tensor is diffed against;
+            None (default) shows no diff.
+        storage_options: fsspec options for ``source`` and ``compare_to`` (when URLs).
+
+    Returns:
+        A :class:`ckptkit.views.browser.Browser` widget (display it in a notebook cell).
+
+    Example:
+        >>> ckptkit.browse("ckpt/step_1000", compare_to="ckpt/step_2000")
     """
     from .views.browser import browse as _browse
 

@@ -46,6 +46,27 @@ def open(
     A symlink in a local checkpoint may lead only inside it (in a Hugging Face cache snapshot:
     or to that repository's ``blobs/``); ``allow_roots`` names more folders links may lead into,
     e.g. ``allow_roots=["/data/ckpts"]`` for a step folder moved there and linked.
+
+    Args:
+        url: the checkpoint: a local path or fsspec URL, of its directory or of its files
+            (``model.pt``, ``model.safetensors.index.json``).
+        storage_options: fsspec options (credentials, endpoint…) for ``url``.
+        format: an adapter name (``"dcp"``, ``"safetensors"``, ``"torch_save"``…) to use
+            instead of detecting one; None detects.
+        cache: ``"blocks"`` or ``"files"`` to cache remote reads locally; None (default) fetches
+            exactly what is read.
+        verify_crc: check each record read against its stored CRC-32 (default True).
+        allow_roots: more local folders that symlinks in the checkpoint may lead into.
+
+    Returns:
+        A :class:`Checkpoint`: its metadata as tables (``tensors``, ``chunks``…), tensors read on
+        demand.
+
+    Example:
+        >>> ckpt = ckptkit.open("s3://bucket/run/step_1000", storage_options={"anon": False})
+        >>> ckpt.format
+        'dcp'
+        >>> ckpt.tensors.head()
     """
     return open_location(
         Checkpoint,
@@ -66,7 +87,21 @@ def detect(
 ) -> Detection:
     """Which format is at ``url`` and why (``Detection(format, evidence)``), reading only a
     listing and a few bytes; a location that fits no format raises :class:`FormatError`
-    listing what was looked for and what was found."""
+    listing what was looked for and what was found.
+
+    Args:
+        url: a local path or fsspec URL, of a checkpoint's directory or of its files.
+        storage_options: fsspec options (credentials, endpoint…) for ``url``.
+        allow_roots: more local folders that symlinks in the checkpoint may lead into.
+
+    Returns:
+        A :class:`Detection`: the ``format`` name, the ``evidence`` lines that decided it, and
+        the ``files`` named when ``url`` names files rather than a directory.
+
+    Example:
+        >>> found = ckptkit.detect("ckpt/step_1000")
+        >>> found.format, found.evidence[0]
+    """
     return formats.detect(Storage(url, storage_options, allow_roots=allow_roots))
 
 

@@ -97,7 +97,22 @@ def run(path_or_url: str | os.PathLike, *, storage_options: dict | None = None) 
     (then name: OLMo's ``step1000`` before ``step1000-unsharded``). Only sub-directories whose
     names hold a number are looked at; each is recognised by format detection (a few small
     reads), so a folder being written or of another kind is left out; one that looks like a
-    damaged checkpoint stays, with format ``"?"`` (:meth:`Run.stats` then reports it)."""
+    damaged checkpoint stays, with format ``"?"`` (:meth:`Run.stats` then reports it).
+
+    Args:
+        path_or_url: the run folder: a local path (str or ``os.PathLike``) or fsspec URL.
+        storage_options: fsspec options for ``path_or_url`` (when a URL).
+
+    Returns:
+        A :class:`Run` listing its step checkpoints (:class:`StepCheckpoint`: step, directory
+        name, format); a folder holding none raises :class:`~ckptkit.errors.FormatError`.
+
+    Example:
+        >>> steps = ckptkit.run("s3://bucket/olmo-run/")
+        >>> steps.steps[:3]
+        [1000, 2000, 3000]
+        >>> frame = steps.stats(groups="model")
+    """
     storage = Storage(str(path_or_url), storage_options)
     try:
         listing = storage.listdir()

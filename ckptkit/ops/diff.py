@@ -106,6 +106,25 @@ def diff(
     (≤ 2 × the largest tensor + 64 MB) per worker: tensors are compared on ``workers`` threads,
     and spread over the ranks of an initialised torch.distributed process group (every rank
     returns the whole table).
+
+    Args:
+        a: the first checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        b: the second checkpoint, in the same forms.
+        keys: globs selecting entries by (mapped) dotted key; None compares every key.
+        key_map: a dict of prefix → prefix or a callable, applied to both sides' keys; None
+            lines up a one-file checkpoint's stem with the other's groups, ``{}`` does not.
+        rtol: relative tolerance for ``close`` (default 1e-5; must be >= 0).
+        atol: absolute tolerance for ``close`` (default 0.0; must be >= 0).
+        storage_options: fsspec options for ``a`` and ``b`` (when URLs).
+        progress: show a progress bar (default False).
+        workers: threads comparing tensors at once.
+
+    Returns:
+        A DataFrame of :data:`COLUMNS`, one row per key; ``attrs`` as described above.
+
+    Example:
+        >>> frame = ckptkit.diff("ckpt/step_1000", "release/model.safetensors", rtol=1e-2)
+        >>> frame["status"].value_counts()
     """
     import pandas as pd
 

@@ -110,6 +110,24 @@ def compare_sizes(
     checkpoint folder ckptkit does not read (``facts.skipped_files``), outside ``size``. Dtype columns (``float32``…) hold
     stored tensor bytes; ``ratio`` is ``size`` over the first row's. Group names map to
     categories by :data:`GROUP_CATEGORIES`; ``categories`` adds ``{group: category}`` entries.
+
+    Args:
+        *sources: one or more checkpoints: paths or URLs, or opened checkpoints
+            (:class:`Source`); the first is the ``ratio`` baseline.
+        labels: row labels, one per checkpoint; None (default) uses the last path components
+            (more of the path where they repeat).
+        categories: extra ``{group: category}`` entries (category one of ``"model"``,
+            ``"optim"``, ``"train"``, ``"other"``), taking precedence over the built-in names.
+        storage_options: fsspec options for every source given as a URL.
+
+    Returns:
+        A DataFrame indexed by ``checkpoint`` label: ``format``, ``files``, ``records``,
+        ``size``, ``ratio``, the category and byte columns, then one column per dtype (listed in
+        ``attrs["dtype_columns"]``).
+
+    Example:
+        >>> sizes = ckptkit.compare_sizes("ckpt/step_1000", "release/", labels=["dcp", "hf"])
+        >>> sizes[["size", "ratio", "model", "optim"]]
     """
     import pandas as pd
 

@@ -29,6 +29,20 @@ def load_state_dict(
     Tensors come back as ``torch.Tensor``; objects decoded safely. For whole large checkpoints
     prefer :func:`ckptkit.unshard`, which streams to disk. A group or glob that matches nothing
     raises :class:`~ckptkit.errors.KeyNotFoundError` with a suggestion.
+
+    Args:
+        src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        keys: globs selecting entries by dotted key; None takes every entry.
+        groups: top-level groups to take (``"model"``, ``"optim"``…).
+        storage_options: fsspec options for ``src`` (when a URL).
+
+    Returns:
+        A nested dict of the selected entries (nested by each entry's path, as torch saved
+        it), tensors as ``torch.Tensor`` and objects as decoded values.
+
+    Example:
+        >>> state = ckptkit.load_state_dict("ckpt/step_1000", groups="model")
+        >>> state["model"]["embed.weight"].shape
     """
     ckpt = open_source(src, storage_options)
     entries = select_entries(ckpt, keys, groups)
@@ -62,6 +76,25 @@ def from_checkpoint(
     mismatch, raises before anything is copied; otherwise they are reported in the result. A
     ``prefix`` no key starts with raises :class:`~ckptkit.errors.KeyNotFoundError` with a
     suggestion (it would load nothing).
+
+    Args:
+        module: the ``torch.nn.Module`` whose parameters and buffers are filled in place.
+        src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        prefix: prepended to each name of ``module.state_dict()`` to find its checkpoint key
+            (default ``"model."``; ``""`` matches keys as they are).
+        strict: raise on a missing or unexpected key (default True); a shape mismatch always
+            raises :class:`~ckptkit.errors.FormatError`.
+        storage_options: fsspec options for ``src`` (when a URL).
+
+    Returns:
+        A :class:`LoadResult`: ``missing_keys`` (module names the checkpoint lacks) and
+        ``unexpected_keys`` (checkpoint keys under ``prefix`` the module lacks).
+
+    Example:
+        >>> model = MyModel()
+        >>> result = ckptkit.from_checkpoint(model, "ckpt/step_1000", strict=False)
+        >>> result.missing_keys
+        []
     """
     import torch
 

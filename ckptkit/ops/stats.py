@@ -109,6 +109,23 @@ def stats(
     exists (``std``: fewer than two). Integers above 2**53 are rounded to float64; complex
     tensors get the statistics of their magnitudes. ``frame.attrs["fingerprint"]`` is the
     checkpoint fingerprint of the selection (see :func:`fingerprint`).
+
+    Args:
+        src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        keys: globs selecting tensors by dotted key; None takes every tensor.
+        groups: top-level groups to take (``"model"``, ``"optim"``…).
+        fingerprints: compute each tensor's content fingerprint (default True).
+        storage_options: fsspec options for ``src`` (when a URL).
+        progress: show a progress bar (default False).
+
+    Returns:
+        A DataFrame with the :data:`COLUMNS`, one row per selected tensor; ``attrs`` hold
+        ``url``, ``format`` and (with ``fingerprints``) the checkpoint ``fingerprint``.
+
+    Example:
+        >>> frame = ckptkit.stats("ckpt/step_1000", groups="model")
+        >>> frame[frame["frac_nan"] > 0]
+        >>> frame.nlargest(5, "abs_max")[["key", "abs_max", "std"]]
     """
     import pandas as pd
 
@@ -134,7 +151,23 @@ def fingerprint(
     """The content fingerprint of ``src``'s tensors (``keys`` / ``groups`` select), a SHA-256
     hex digest that is equal for equal content whatever the format, sharding and world size:
     "is this the same model?" answered from one string. Reads every tensor once (hashing only,
-    no statistics); :func:`stats` gives the per-tensor fingerprints it combines."""
+    no statistics); :func:`stats` gives the per-tensor fingerprints it combines.
+
+    Args:
+        src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        keys: globs selecting tensors by dotted key; None takes every tensor.
+        groups: top-level groups to take (``"model"``, ``"optim"``…).
+        storage_options: fsspec options for ``src`` (when a URL).
+        progress: show a progress bar (default False).
+
+    Returns:
+        The checkpoint fingerprint: a 64-character SHA-256 hex digest.
+
+    Example:
+        >>> a = ckptkit.fingerprint("ckpt/step_1000", groups="model")
+        >>> a == ckptkit.fingerprint("release/model.safetensors")
+        True
+    """
     source = open_source(src, storage_options)
     entries = select_tensors(source, keys, groups)
     rows = tensor_rows(source, entries, moments=False, progress=progress)

@@ -110,7 +110,24 @@ def verify(
     exception; a location that is not a checkpoint at all (a typo, a folder of steps) raises
     :class:`~ckptkit.errors.NotACheckpointError`, so a CI job can tell a wrong path from
     damage. Tensors are checked on ``workers`` threads, and spread over the ranks of an
-    initialised torch.distributed process group (every rank returns the whole table)."""
+    initialised torch.distributed process group (every rank returns the whole table).
+
+    Args:
+        src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
+        storage_options: fsspec options for ``src`` (when a URL).
+        crc: check every record's stored CRC-32 (default True); False skips that for speed.
+        workers: threads checking tensors at once.
+
+    Returns:
+        A DataFrame with columns ``file``, ``key``, ``problem`` (``"truncated"``,
+        ``"checksum"``, ``"missing file"``…) and ``detail``, one row per problem; empty when
+        the checkpoint is sound.
+
+    Example:
+        >>> problems = ckptkit.verify("s3://bucket/run/step_1000")
+        >>> problems.empty
+        True
+    """
     try:
         source = open_source(src, storage_options, verify_crc=crc)
     except NotACheckpointError:

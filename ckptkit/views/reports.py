@@ -77,7 +77,23 @@ def diff_text(
     """A human report of a :func:`ckptkit.diff` frame: verdict and counts, then the keys of each
     status that is not ``equal``, worst first, at most :data:`DIFF_LIST_CAP` per status unless
     ``show_all``. ``same`` (the verdict) defaults to "every row equal or close". Lines fit
-    ``width`` (keys and notes cut in the middle, then columns left out) unless ``wide``."""
+    ``width`` (keys and notes cut in the middle, then columns left out) unless ``wide``.
+
+    Args:
+        frame: a frame returned by :func:`ckptkit.diff` (its ``attrs`` name ``a``, ``b`` and
+            the tolerances).
+        same: the verdict printed; None (default) computes it from the statuses.
+        show_all: list every key of every status, ``equal`` ones included (default False).
+        wide: never cut or drop anything to fit a width (default False).
+        width: the line width to fit; None (default) uses the terminal's (100 when not a terminal).
+
+    Returns:
+        The report as one string of lines, without a trailing newline.
+
+    Example:
+        >>> frame = ckptkit.diff("ckpt/step_1000", "release/model.safetensors")
+        >>> print(ckptkit.diff_text(frame, width=120))
+    """
     from ..ops.diff import SAME, STATUSES
 
     if same is None:
@@ -142,7 +158,20 @@ def _cell(value: object) -> str:
 
 def sizes_text(frame: pd.DataFrame, *, wide: bool = False, width: int | None = None) -> str:
     """A :func:`ckptkit.compare_sizes` frame as text, one column per checkpoint, byte counts in
-    kB/MB/GB; labels cut in the middle to fit ``width`` unless ``wide``."""
+    kB/MB/GB; labels cut in the middle to fit ``width`` unless ``wide``.
+
+    Args:
+        frame: a frame returned by :func:`ckptkit.compare_sizes`.
+        wide: never cut or drop anything to fit a width (default False).
+        width: the line width to fit; None (default) uses the terminal's (100 when not a terminal).
+
+    Returns:
+        The table as one string: a row per column of ``frame``, a column per checkpoint.
+
+    Example:
+        >>> sizes = ckptkit.compare_sizes("ckpt/step_1000", "release/")
+        >>> print(ckptkit.sizes_text(sizes))
+    """
     from ..units import human_bytes
 
     def shown(row: str, value: object) -> str:
@@ -166,7 +195,21 @@ def inspect_text(
     """A human summary of a checkpoint (what ``ckptkit inspect`` prints): totals, where the bytes
     on disk go, bytes by group, dtype and rank, and the ``top`` largest stored tensors (not the
     alternate views of :attr:`~ckptkit.catalog.model.Facts.alternate_groups`). Lines fit
-    ``width`` (long keys cut in the middle) unless ``wide``; the warning comes first, whole."""
+    ``width`` (long keys cut in the middle) unless ``wide``; the warning comes first, whole.
+
+    Args:
+        ckpt: an opened checkpoint (from :func:`ckptkit.open`).
+        top: how many of the largest stored tensors to list (default 10).
+        wide: never cut or drop anything to fit a width (default False).
+        width: the line width to fit; None (default) uses the terminal's (100 when not a terminal).
+
+    Returns:
+        The summary as one string of lines, without a trailing newline.
+
+    Example:
+        >>> ckpt = ckptkit.open("ckpt/step_1000")
+        >>> print(ckptkit.inspect_text(ckpt, top=5))
+    """
     from ..catalog.tables import readable
 
     limit = _limit(wide, width)
