@@ -614,7 +614,7 @@ CASES.append(  # the tag directory itself, opened without its run directory's ``
 # (+ ``fsdp_config.json``, ``huggingface/config.json``, the run's
 # ``latest_checkpointed_iteration.txt``) and Accelerate's FSDP ``use_dcp=False``
 # ``pytorch_model_fsdp_0_rank{r}.bin`` + ``optimizer_0_rank{r}.bin`` (+ ``scheduler.bin``,
-# ``random_states_{r}.pkl``), as /work/shared/fixtures-gen/layouts/{verl_fsdp,accelerate} write
+# ``random_states_{r}.pkl``), as verl's and Accelerate's save code write
 # them, with other models and seeds. Each saves its live full state beside it.
 
 VERL_STEP = 7
