@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import pickletools
 import re
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byte_edits import unframed
 
 from ckptkit.decoding.bounded_repr import bounded_repr
 from ckptkit.decoding.unpickler import OBJECT_GLOBALS, safe_loads
@@ -76,16 +76,6 @@ def _open_limited(path: Path, *read: str) -> dict:
     outcome = json.loads(result.stdout)
     outcome["seconds"] = time.monotonic() - start
     return outcome
-
-
-def _unframed(data: bytes) -> bytes:
-    """A protocol-4 pickle without its FRAME opcodes (optional), so its opcodes can be edited."""
-    frames = [pos for op, _, pos in pickletools.genops(data) if op.name == "FRAME"]
-    out, last = bytearray(), 0
-    for pos in frames:
-        out += data[last:pos]
-        last = pos + 9
-    return bytes(out + data[last:])
 
 
 def _edit_member(path: Path, suffix: str, edit: Callable[[bytes], bytes]) -> None:
@@ -164,7 +154,7 @@ def _dcp_save(tmp_path: Path) -> Path:
 def _dcp_memory_format(tmp_path: Path) -> Path:
     """``_MEM_FORMAT_ENCODING(0)`` in a torch-written ``.metadata`` called with DEEP."""
     path = _dcp_save(tmp_path)
-    data = _unframed((path / ".metadata").read_bytes())
+    data = unframed((path / ".metadata").read_bytes())
     data = _sub_once(rb"(\x8c\x14_MEM_FORMAT_ENCODING\x94\x93\x94)K\x00", DEEP, data)
     (path / ".metadata").write_bytes(data)
     return path
@@ -175,7 +165,7 @@ def _megatron_getattr(tmp_path: Path) -> Path:
     DEEP instead (the MEMOIZE kept, so later memo references still hold)."""
     path = tmp_path / "megatron"
     shutil.copytree(FIXTURES / "megatron_mcore016_gpt_tp2_ws2" / "checkpoint", path)
-    data = _unframed((path / ".metadata").read_bytes())
+    data = unframed((path / ".metadata").read_bytes())
     data = _sub_once(
         rb"(h\x00\x8c\x14_MEM_FORMAT_ENCODING\x94\x93\x94)\x8c\x17TORCH_CONTIGUOUS_FORMAT",
         DEEP,
@@ -247,7 +237,7 @@ def test_dcp_record_transform_descriptors_stay_bounded(tmp_path):
     transform boundedly while loading, the checkpoint opens, and reading the tensor is refused
     for that transform."""
     path = _dcp_save(tmp_path)
-    data = _unframed((path / ".metadata").read_bytes())
+    data = unframed((path / ".metadata").read_bytes())
     # SHORT_BINUNICODE 'transform_descriptors', [DEEP], set first in the record's state dict
     descriptors = b"\x8c\x15transform_descriptors]" + DEEP + b"a"
     data = _sub_once(rb"(_StorageInfo\x94\x93\x94\)\x81\x94\}\x94\()", descriptors, data)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickletools
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byte_edits import unframed
 
 import ckptkit
 from ckptkit.errors import UnsafePickleError
@@ -380,16 +380,6 @@ def test_inspection_without_torch_reads_the_same_bytes():
         assert report["tensors"][_ours(ckpt, stored)] == spec["sha256"], stored
 
 
-def _unframed(data: bytes) -> bytes:
-    """A protocol-4 pickle without its FRAME opcodes (optional), so strings can be edited."""
-    frames = [pos for op, _, pos in pickletools.genops(data) if op.name == "FRAME"]
-    out, last = bytearray(), 0
-    for pos in frames:
-        out += data[last:pos]
-        last = pos + 9
-    return bytes(out + data[last:])
-
-
 @pytest.mark.parametrize(
     ("target", "attribute", "refused"),
     [
@@ -402,7 +392,7 @@ def _unframed(data: bytes) -> bytes:
 def test_hostile_getattr_in_metadata_is_refused(tmp_path, monkeypatch, target, attribute, refused):
     copy = tmp_path / "ckpt"
     shutil.copytree(_path("megatron_mcore016_gpt_tp2_ws2"), copy)
-    data = _unframed((copy / ".metadata").read_bytes())
+    data = unframed((copy / ".metadata").read_bytes())
     # the same number of MEMOIZE opcodes as the original, so later memo references still hold
     original = b"h\x00\x8c\x14_MEM_FORMAT_ENCODING\x94\x93\x94\x8c\x17TORCH_CONTIGUOUS_FORMAT\x94"
     assert original in data

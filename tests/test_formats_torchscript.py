@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from byte_edits import central_entry
 from torch import nn
 
 import ckptkit
@@ -263,7 +264,7 @@ def test_a_code_member_declaring_a_huge_size_is_refused_fast(archives, tmp_path)
     path = tmp_path / "huge.pt"
     blob = bytearray(archives["scripted"].read_bytes())
     name = _deflated_code_member(archives["scripted"])
-    at = _central_entry(blob, name.encode())
+    at = central_entry(blob, name.encode())
     blob[at + 24 : at + 28] = (0xFFFFFFF0).to_bytes(4, "little")  # uncompressed size: ~4 GiB
     path.write_bytes(bytes(blob))
     start = time.monotonic()
@@ -280,7 +281,7 @@ def test_a_code_member_inflating_past_its_declared_size_is_corrupt(archives, tmp
     _rewrite(archives["scripted"], path, edit)
     blob = bytearray(path.read_bytes())
     name = _deflated_code_member(path)
-    at = _central_entry(blob, name.encode())
+    at = central_entry(blob, name.encode())
     size = int.from_bytes(blob[at + 24 : at + 28], "little")
     blob[at + 24 : at + 28] = (size - 10).to_bytes(4, "little")
     local = int.from_bytes(blob[at + 42 : at + 46], "little")  # the member's local header
@@ -300,17 +301,6 @@ def _deflated_code_member(path: Path) -> str:
         ]
         assert archive.getinfo(name).compress_type == zipfile.ZIP_DEFLATED
     return name
-
-
-def _central_entry(blob: bytes | bytearray, name: bytes) -> int:
-    """Where the central directory entry of member ``name`` starts."""
-    at = blob.find(b"PK\x01\x02")
-    while at >= 0:
-        name_len = int.from_bytes(blob[at + 28 : at + 30], "little")
-        if bytes(blob[at + 46 : at + 46 + name_len]) == name:
-            return at
-        at = blob.find(b"PK\x01\x02", at + 4)
-    raise AssertionError(f"no central directory entry for {name!r}")
 
 
 def test_a_compressed_storage_is_refused_naming_file_and_member(archives, tmp_path):

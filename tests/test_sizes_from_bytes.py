@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from byte_edits import central_entry, unframed
 from safetensors.torch import save_file
 
 import ckptkit
@@ -94,16 +95,6 @@ def _rewrite(src: Path, dst: Path, edit=None, twins: dict[str, bytes] | None = N
                 zout.writestr(copy, edit(info.filename, data) if edit else data)
 
 
-def _unframed(data: bytes) -> bytes:
-    """A protocol-4 pickle without its (optional) FRAME opcodes, so it can change length."""
-    frames = [pos for op, _, pos in pickletools.genops(data) if op.name == "FRAME"]
-    out, last = bytearray(), 0
-    for pos in frames:
-        out += data[last:pos]
-        last = pos + 9
-    return bytes(out + data[last:])
-
-
 # --------------------------------------------------------------------------------------------
 # Megatron: a stacked tensor claiming more layers than its records hold.
 
@@ -113,7 +104,7 @@ STACKED_KEY = "decoder.layers.mlp.linear_fc1.weight"
 def _claim_layers(metadata: bytes, key: str, layers: int) -> bytes:
     """The DCP ``.metadata`` pickle with the global layer count of ``key`` set to ``layers``
     (its chunks and records untouched)."""
-    data = _unframed(metadata)
+    data = unframed(metadata)
     ops = list(pickletools.genops(data))
     at = next(i for i, (_, arg, _) in enumerate(ops) if arg == key)
     build = next(i for i in range(at, len(ops)) if ops[i][0].name == "BUILD")  # properties
@@ -443,17 +434,6 @@ def test_a_torchscript_storage_listed_twice_is_refused(tmp_path):
     assert _digest(path) == before
 
 
-def _central_entry(blob: bytes | bytearray, name: bytes) -> int:
-    """Where the central directory entry of member ``name`` starts."""
-    at = blob.find(b"PK\x01\x02")
-    while at >= 0:
-        name_len = int.from_bytes(blob[at + 28 : at + 30], "little")
-        if bytes(blob[at + 46 : at + 46 + name_len]) == name:
-            return at
-        at = blob.find(b"PK\x01\x02", at + 4)
-    raise AssertionError(f"no central directory entry for {name!r}")
-
-
 def _disagreeing(path: Path, how: str) -> tuple[bytes, str]:
     """The torch.save file ``path`` with member ``orig/data/0`` edited ``how``; the words the
     refusal must name."""
@@ -462,7 +442,7 @@ def _disagreeing(path: Path, how: str) -> tuple[bytes, str]:
         infos = {i.filename: i for i in archive.infolist()}
     member = infos["orig/data/0"]
     local = member.header_offset
-    central = _central_entry(blob, b"orig/data/0")
+    central = central_entry(blob, b"orig/data/0")
     assert blob[local + 6] & 0x08  # torch writes CRC-32 and sizes after the data (0 here)
     if how == "name":
         blob[local + 30 + len("orig/data/0") - 1] = ord("9")
