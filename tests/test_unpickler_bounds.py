@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from byte_edits import unframed
 from test_bounded_stand_ins import (
     DEEP,
     SHOWN,
     _edit_member,
     _open_limited,
     _sub_once,
-    _unframed,
 )
 
 from conformance_cases import FIXTURES
@@ -280,7 +280,7 @@ def _dcp_2x3(tmp_path: Path, *edits: tuple[bytes, bytes]) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
         dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(path))
-    data = _unframed((path / ".metadata").read_bytes())
+    data = unframed((path / ".metadata").read_bytes())
     for pattern, replacement in edits:
         data = _sub_once(pattern, replacement, data)
     (path / ".metadata").write_bytes(data)
