@@ -28,16 +28,20 @@ help:
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make bench      run benchmarks/bench_*.py"
 	@echo "make venv       (re)build $(VENV) (TORCH_SPEC=$(TORCH_SPEC))"
-	@echo "make clean      remove build/, $(VENV) and caches"
+	@echo "make clean      remove build/, dist/, $(VENV) and caches"
 
 venv: $(STAMP)
 
+# The project is the distribution torch-ckptkit (with every extra the tests use, and the tools:
+# the `test` extra of pyproject.toml). A venv made before it had that name holds an editable
+# `ckptkit` distribution of the same files: removed first (a no-op in a new venv).
 # Installs a kernelspec named python3 inside the venv, so nbconvert/nbval run the
 # notebooks (kernelspec python3) with this venv's interpreter.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
 	$(BIN)/pip install $(PIP_FLAGS) '$(TORCH_SPEC)'
+	$(BIN)/pip uninstall $(PIP_FLAGS) --yes ckptkit 2>/dev/null || true
 	$(BIN)/pip install $(PIP_FLAGS) -e '.[test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name 'Python 3 (ckptkit)'
 	@$(BIN)/python -c 'import torch; print("torch", torch.__version__, "cuda:", torch.version.cuda)'
@@ -99,6 +103,6 @@ bench: $(STAMP)
 	fi
 
 clean:
-	rm -rf build $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf build dist $(VENV) .pytest_cache .ruff_cache .hypothesis *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find . -name .ipynb_checkpoints -type d -prune -exec rm -rf {} +
