@@ -22,19 +22,19 @@ import numpy as np
 from .. import dtypes, tunables
 from ..catalog.keys import KeyMap
 from ..catalog.model import Entry
-from ..decoding.unpickler import Opaque, TensorRef
 from ..dtypes import DType
 from ..errors import UsageError
 from ..reading import Reader
 from ..reading.tensor_blocks import ByteStream, aligned_blocks, as_float, bytes_equal
 from . import distributed, work
 from .diff_keys import Leaf, Match, aligned_key_map, match_keys
+from .object_equality import holds_tensor, same_value
 from .source import Source, open_source
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "STATUSES", "SAME", "diff", "Pair", "same_value"]
+__all__ = ["COLUMNS", "STATUSES", "SAME", "diff", "Pair"]
 
 COLUMNS = [
     "key",
@@ -544,57 +544,6 @@ def _read_objects(ckpt: Source, entries: list[Entry]) -> list[Any]:
     """Decoded values; torch is imported only for objects that hold tensors."""
     values = ckpt.reader.read_objects(entries, tensors="ref")
     for i, value in enumerate(values):
-        if _holds_tensor(value):
+        if holds_tensor(value):
             values[i] = ckpt.reader.read_objects([entries[i]], tensors="torch")[0]
     return values
-
-
-def _holds_tensor(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, TensorRef):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            stack.extend(item)
-        elif isinstance(item, Opaque):
-            stack.extend([*item.args, item.state, *item.items])
-    return False
-
-
-def same_value(x: Any, y: Any) -> bool:
-    """Equality of decoded objects: types must match (any two mappings compare by items), NaN
-    equals NaN, tensors and arrays by dtype, shape and bytes, placeholders by global name,
-    arguments and state."""
-    if isinstance(x, Mapping) and isinstance(y, Mapping):
-        return x.keys() == y.keys() and all(same_value(x[k], y[k]) for k in x)
-    if type(x) is not type(y):
-        return False
-    if isinstance(x, Opaque):
-        return (
-            x.global_name == y.global_name
-            and same_value(x.args, y.args)
-            and same_value(x.state, y.state)
-            and same_value(x.items, y.items)
-        )
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(same_value(i, j) for i, j in zip(x, y, strict=True))
-    if isinstance(x, float):
-        return x == y or (math.isnan(x) and math.isnan(y))
-    if isinstance(x, np.ndarray):
-        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
-        import torch  # already imported: x is a tensor
-
-        return (
-            x.dtype == y.dtype
-            and x.shape == y.shape
-            and x.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            == y.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        )
-    try:
-        return bool(x == y)
-    except (TypeError, ValueError):
-        return x is y
