@@ -111,17 +111,6 @@ def test_plain_dcp_allowlist_stays_strict(tmp_path):
         ckptkit.open(str(copy))
 
 
-def test_legacy_layout_is_recognised_and_refused(tmp_path):
-    legacy = tmp_path / "iter_0000002" / "mp_rank_00"
-    legacy.mkdir(parents=True)
-    torch.save({"model": {"w": torch.ones(2)}, "iteration": 2}, legacy / "model_optim_rng.pt")
-    found = ckptkit.detect(str(tmp_path / "iter_0000002"))
-    assert found.format == "megatron_dist"
-    assert "legacy" in found.evidence[0]
-    with pytest.raises(ckptkit.FormatError, match="tensor-parallel split dimension"):
-        ckptkit.open(str(tmp_path / "iter_0000002"))
-
-
 def test_stored_tensors_equal_megatron_load_plain_tensors(item, ckpt):
     """Every tensor ``load_plain_tensors`` gives, bit for bit, under its stored key; the <= 0.15
     reformulated optimizer tensors, which it returns flattened, as stored (same bytes)."""

@@ -31,9 +31,8 @@ Keys. Stored DCP keys are Megatron's ShardedTensor keys; they are placed in grou
   ``torch.save`` value Megatron wrote;
 * ``common.<key>``: the leaves of ``common.pt`` (or of the ``common_state`` entry, >= 0.19).
 
-Not supported (recognised, with a clear error): other sharded backends (``zarr``) and the
-legacy ``--ckpt-format torch`` layout (``mp_rank_XX/model_optim_rng.pt``), whose
-tensor-parallel split dimension is a Parameter attribute that is not saved.
+Not supported (recognised, with a clear error): other sharded backends (``zarr``). The legacy
+``--ckpt-format torch`` layout (``mp_rank_XX/model_optim_rng.pt``) is :mod:`..megatron_legacy`'s.
 """
 
 from __future__ import annotations
@@ -59,10 +58,8 @@ CONFIG = "metadata.json"
 COMMON = "common.pt"
 INTEGRITY = "integrity.json"
 TRACKER = "latest_checkpointed_iteration.txt"
-LEGACY_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?$")
 #: The folders of a Megatron run directory, one per saved iteration.
 ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
-LEGACY_FILE = "model_optim_rng.pt"
 #: Groups of stored keys by their first part; everything else is the model's.
 _TOP = {"optimizer.": "optimizer", "rng_state/": "rng_state", "common_state/": "common"}
 STACKED_GROUP = "stacked"
@@ -71,7 +68,7 @@ _REFORMULATED = "nd_reformulated_orig_global_shape"
 
 def detect(storage: Store) -> Detection | None:
     """A ``torch_dist`` directory (``metadata.json`` naming its backend, beside ``.metadata``),
-    a run directory whose tracker names one, or the legacy layout (recognised, unsupported).
+    or a run directory whose tracker names one.
 
     The tracker alone decides nothing (verl writes one too, beside ``global_step_N/``): a run
     directory is Megatron's when the iteration it names holds Megatron content, or when that
@@ -114,15 +111,6 @@ def _detect_here(storage: Store, listing: dict[str, int]) -> Detection | None:
             evidence.append(f"found {METADATA} (DCP)")
         evidence += [f"found {name}" for name in (COMMON, INTEGRITY) if name in listing]
         return Detection(NAME, storage, evidence)
-    legacy = sorted(n for n, size in listing.items() if size == -1 and LEGACY_DIR.match(n))
-    if legacy and storage.exists(f"{legacy[0]}/{LEGACY_FILE}"):
-        return Detection(
-            NAME,
-            storage,
-            [
-                f"found {legacy[0]}/{LEGACY_FILE} (legacy Megatron --ckpt-format torch, not supported)"
-            ],
-        )
     return None
 
 
@@ -192,14 +180,6 @@ def _check_supported(storage: Store) -> None:
         )
     if found is None:
         raise FormatError(f"{storage.describe()}: not a Megatron-core dist_checkpointing directory")
-    if found.evidence[0].startswith("found mp_rank_"):
-        raise FormatError(
-            f"{storage.describe()}: a legacy Megatron checkpoint (--ckpt-format torch, "
-            f"mp_rank_XX/{LEGACY_FILE}) is recognised but not supported: each parameter's "
-            "tensor-parallel split dimension is not saved, so ranks cannot be merged without "
-            "Megatron's model rules; open one rank's file as a torch.save file, or convert with "
-            "Megatron to --ckpt-format torch_dist"
-        )
     backend = (_config(storage) or {}).get("sharded_backend")
     if backend != "torch_dist":
         raise FormatError(
@@ -366,8 +346,6 @@ __all__ = [
     "CONFIG",
     "INTEGRITY",
     "ITERATION_DIR",
-    "LEGACY_DIR",
-    "LEGACY_FILE",
     "NAME",
     "STACKED_GROUP",
     "TRACKER",
