@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # conda-forge package name -> pip distribution name (None: not a Python distribution).
 CONDA_TO_PIP: dict[str, str | None] = {
     "pytorch": "torch",
+    "python-isal": "isal",
+    "python-build": "build",
     "python": None,
     "pip": None,
 }
@@ -54,7 +56,7 @@ def _pip_reqs(strings: list[str]) -> dict[str, Requirement]:
     reqs = {}
     for s in strings:
         r = Requirement(s)
-        if canonicalize_name(r.name) == "ckptkit":  # self-reference, e.g. ckptkit[test]
+        if canonicalize_name(r.name) == "torch-ckptkit":  # self-reference, e.g. [all]
             continue
         reqs[canonicalize_name(r.name)] = r
     return reqs

@@ -5,13 +5,13 @@ of a layout seen before without parsing, safetensors through their cached header
 from __future__ import annotations
 
 import itertools
-import zlib
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from .. import tunables
 from ..catalog.model import Chunk, Encoding, Entry, Record
+from ..crc32 import crc32
 from ..decoding.pickle_limits import OBJECT_LIMITS
 from ..decoding.record_layouts import BULK_RECORD, Layout, Layouts
 from ..decoding.records import (
@@ -33,6 +33,7 @@ from ..errors import (
     TruncatedFileError,
 )
 from ..storage import Store
+from ..storage.local import ReadBuffers
 from .geometry import row_major
 
 __all__ = ["RecordFetcher", "batches"]
@@ -51,6 +52,9 @@ class RecordFetcher:
         self._safetensors_headers: dict[tuple[str, int], SafetensorsHeader] = {}
         self._sources: dict[str, str] = {}  # file → storage.describe(file), for messages
         self._layouts = Layouts()
+        #: This reader's reused buffers: large local reads land in them (see
+        #: :class:`~ckptkit.storage.local.ReadBuffers` for how long a view keeps one leased).
+        self.buffers = ReadBuffers()
 
     def decode_chunks(self, entry: Entry, chunks: list[Chunk]) -> list[TensorData]:
         """What each of ``chunks`` (chunks of the tensor ``entry`` that have a record) stores:
@@ -86,7 +90,7 @@ class RecordFetcher:
                 out.append(known)
                 continue
             record = chunk.record
-            if verify and record.crc32 is not None and zlib.crc32(blob) != record.crc32:
+            if verify and record.crc32 is not None and crc32(blob) != record.crc32:
                 check_crc(blob, record.crc32, self._where(record, start, entry))
             if record.encoding is Encoding.TORCH_SAVE:
                 layout = None if record.transform else layouts.find(blob)
@@ -96,7 +100,7 @@ class RecordFetcher:
                     data = layout.tensor(blob)
                     if verify:
                         stored = layout.stored_crc(blob)
-                        if zlib.crc32(data.buffer) != stored:
+                        if crc32(data.buffer) != stored:
                             where = f"{self._where(record, start, entry)} member {layout.storage_name!r}"
                             check_crc(data.buffer, stored, where)
                         data = layout.tensor(blob, stored)
@@ -129,7 +133,8 @@ class RecordFetcher:
             return self.read_ranges(ranges, keys)
         try:
             merged, pieces = _coalesced(ranges)
-            blobs = [memoryview(blob) for blob in self.storage.read_ranges(merged)]
+            with self.buffers.reading():
+                blobs = [memoryview(blob) for blob in self.storage.read_ranges(merged)]
         except (CheckpointError, OverflowError, ValueError):
             return self.read_ranges(ranges, keys)
         out = [blobs[group][a:b] for group, a, b in pieces]
@@ -195,7 +200,7 @@ class RecordFetcher:
         for i, base in zip(indices, bases, strict=True):
             data = view[base + start : base + end]
             if verify:
-                crc = zlib.crc32(data)
+                crc = crc32(data)
                 if crc != layout.stored_crc(joined, base):
                     continue
             entry_dtype = items[i][0].dtype
@@ -262,7 +267,8 @@ class RecordFetcher:
         file's size."""
         keys = [key] * len(ranges) if isinstance(key, str) else key
         try:
-            return self.storage.read_ranges(ranges)
+            with self.buffers.reading():
+                return self.storage.read_ranges(ranges)
         except TruncatedFileError:
             raise
         except MissingFileError as exc:

@@ -126,6 +126,7 @@ class Reader(ObjectReader):
         if not tiles_first_dim(entry, chunks):
             for block in self._row_blocks(entry, chunks):
                 yield block, None
+                del block  # let go of it before the next block is leased
             return
         ordered = sorted((c for c in chunks if c.record is not None), key=leading_offset)
         for batch in batches(ordered):
@@ -161,9 +162,9 @@ class Reader(ObjectReader):
                     source = self._source(chunk.record.file)
                     active.append((chunk, chunk_view(chunk, data, entry, source)))
                 data = None
-            # a fresh block each time: the allocator hands back the last one's memory
-            # (measured as fast as reusing one buffer), and no consumer sees it change
-            block = np.empty((r1 - r0, *shape[1:]), np_dtype)
+            # a block of this reader's reused buffers: the one the last block used once its
+            # consumer let go of it, so no consumer sees its bytes change
+            block = self._block((r1 - r0, *shape[1:]), np_dtype)
             for chunk, view in active:
                 top = chunk.offsets[0]
                 a, b = max(r0, top), min(r1, top + chunk.sizes[0])
@@ -175,6 +176,13 @@ class Reader(ObjectReader):
                     np.copyto(block[(slice(a - r0, b - r0), *columns)], view[a - top : b - top])
             yield as_bytes(block)
             block = None
+
+    def _block(self, shape: tuple[int, ...], np_dtype: np.dtype) -> np.ndarray:
+        """An uninitialised row block of ``shape`` in a buffer leased from :attr:`buffers`."""
+        nbytes = math.prod(shape) * np_dtype.itemsize
+        if not nbytes:
+            return np.empty(shape, np_dtype)
+        return np.frombuffer(self.buffers.lease(nbytes), np_dtype).reshape(shape)
 
     def _take_ahead(self, entry: Entry) -> memoryview | None:
         """``entry``'s bytes from the read-ahead batch (see :meth:`read_ahead`), reading a

@@ -11,6 +11,7 @@ from .. import dtypes, tunables
 from ..catalog.model import Entry
 from ..dtypes import DType
 from ..errors import CorruptRecordError
+from ..extras import require
 from .reader import Reader
 
 __all__ = ["blocks", "aligned_blocks", "ByteStream", "bytes_equal", "as_float"]
@@ -68,7 +69,7 @@ class ByteStream:
             out = self.piece[self.pos : self.pos + n]
             self.pos += n
             return out
-        buf = bytearray(n)
+        buf = memoryview(np.empty(n, np.uint8))  # fresh: the caller may keep it; not zeroed
         filled = 0
         while filled < n:
             if self.pos == len(self.piece):
@@ -78,7 +79,7 @@ class ByteStream:
             buf[filled : filled + k] = self.piece[self.pos : self.pos + k]
             filled += k
             self.pos += k
-        return memoryview(buf)
+        return buf
 
     def finish(self) -> None:
         if self.pos != len(self.piece) or any(len(p) for p in self.pieces):
@@ -103,8 +104,7 @@ def as_float(buf: memoryview, dt: DType) -> np.ndarray:
     if dt.numpy is None:  # fp8: a 256-entry table made by torch once
         table = _FP8_TABLES.get(dt.name)
         if table is None:
-            import torch
-
+            torch = require("torch", f"decoding {dt.name} values")
             codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
             table = codes.view(dtypes.to_torch(dt)).to(torch.float64).numpy()
             _FP8_TABLES[dt.name] = table

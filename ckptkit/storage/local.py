@@ -1,20 +1,26 @@
-"""Local file reads: exact ranges with ``os.pread`` into one buffer (huge-page backed for large
-ones), never a memory map of the file itself; what a non-regular file is, for messages; folder
-listings; and which folders a local location may read (itself, a Hugging Face cache snapshot
-with its repository's ``blobs/``, the folders the user allows)."""
+"""Local file reads: exact ranges with ``os.pread`` into one buffer, large ones with
+``os.preadv`` into reused buffers (:class:`ReadBuffers`, a reader's pool) or huge-page backed
+fresh ones, never a memory map of the file itself; what a non-regular file is, for messages;
+folder listings; and which folders a local location may read (itself, a Hugging Face cache
+snapshot with its repository's ``blobs/``, the folders the user allows)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 
 from .anchored import Root
 
 __all__ = [
     "LARGE_READ_MIN",
+    "POOL_BYTES",
+    "ReadBuffers",
     "file_kind",
     "folder_sizes",
     "path_sizes",
@@ -23,22 +29,124 @@ __all__ = [
     "readable_roots",
 ]
 
-#: Local ranges at least this large are read into an anonymous memory map backed by huge pages
-#: where the system allows (see :func:`read_large`); smaller ones into bytes.
+#: Local ranges at least this large are read into a reused buffer of the calling reader's
+#: pool, or an anonymous memory map backed by huge pages where the system allows (see
+#: :func:`read_large`); smaller ones into bytes.
 LARGE_READ_MIN = 2 << 20
+#: Bytes of buffers one :class:`ReadBuffers` pool keeps at most, in use or idle: two batches
+#: of records (:data:`~ckptkit.tunables.BATCH_BYTES`), e.g. both column shards of a 64 MiB
+#: tensor. A read that does not fit gets a buffer of its own, freed with its last view.
+POOL_BYTES = 128 << 20
+#: Pooled buffers are sized in steps of this (one huge page), so records of nearly equal
+#: lengths (one per rank) share a buffer.
+_GRAIN = 2 << 20
 #: Largest single ``os.pread`` (Linux transfers at most 2 GiB - 4 KiB per call).
 _PREAD_MAX = 1 << 30
 
 
-def read_large(fd: int, start: int, length: int) -> memoryview:
-    """``length`` bytes of ``fd`` from ``start`` (shorter only where the file ends now), read
-    with ``os.preadv`` into an anonymous private memory map asked for huge pages. Not backed by
-    the file, so a file that shrinks cannot SIGBUS; measured on the 1.5 GiB unshard benchmark,
-    2 MiB pages cut the cost of faulting in fresh memory (bytes / bytearray) about 4-fold."""
-    buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def _anonymous(size: int) -> mmap.mmap:
+    """Fresh anonymous private memory of ``size`` bytes (page-aligned), asked for huge pages:
+    measured on the 1.5 GiB unshard benchmark, 2 MiB pages cut the cost of faulting in fresh
+    memory (bytes / bytearray) about 4-fold. Not backed by any file, so nothing can SIGBUS."""
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):
         buffer.madvise(mmap.MADV_HUGEPAGE)
-    view = memoryview(buffer)
+    return buffer
+
+
+def _unviewed_refcount() -> int:
+    """What ``sys.getrefcount(buffers[i])`` says of a pooled buffer nothing views (the list's
+    reference and the call's), measured the way :meth:`ReadBuffers.lease` asks."""
+    buffers = [_anonymous(mmap.PAGESIZE)]
+    return sys.getrefcount(buffers[0])
+
+
+_UNVIEWED = _unviewed_refcount()
+
+
+class ReadBuffers:
+    """A reader's small pool of reused read buffers (page-aligned anonymous memory, asked for
+    huge pages), so the hot path does not fault in and unmap fresh memory for every record.
+
+    Lifetime: :meth:`lease` hands out a memoryview of a pooled buffer, and the lease lasts as
+    long as any view of that buffer is alive (the memoryview, its slices and casts, numpy
+    arrays or tensors over them: each keeps the buffer referenced). A buffer is leased again
+    only when nothing but the pool refers to it, so bytes handed out never change under their
+    holder, however long it keeps them or whichever thread it hands them to; a holder that
+    keeps its view merely makes the next read take another buffer. The pool keeps at most
+    ``limit`` bytes of buffers; a read beyond that gets a buffer of its own.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = POOL_BYTES if limit is None else limit
+        self._buffers: list[mmap.mmap] = []
+        # a reader belongs to one thread, but a lease must never be handed out twice even if
+        # one is shared: choosing a buffer and viewing it happen under this lock
+        self._lock = threading.Lock()
+
+    def lease(self, length: int) -> memoryview:
+        """A writable view of ``length`` bytes (contents undefined) that nothing else views:
+        the smallest idle pooled buffer that fits, else a new one (pooled while within
+        :attr:`limit`: idle buffers too small for it are dropped first to make room)."""
+        with self._lock:
+            buffers = self._buffers
+            best = -1
+            for i in range(len(buffers)):
+                if (
+                    len(buffers[i]) >= length
+                    and sys.getrefcount(buffers[i]) == _UNVIEWED
+                    and (best < 0 or len(buffers[i]) < len(buffers[best]))
+                ):
+                    best = i
+            if best >= 0:
+                return memoryview(buffers[best])[:length]
+            return memoryview(self._new(length))[:length]
+
+    def _new(self, length: int) -> mmap.mmap:
+        """A fresh buffer for ``length`` bytes, kept in the pool when it fits within the limit."""
+        size = max(_GRAIN, -(-length // _GRAIN) * _GRAIN)
+        buffers = self._buffers
+        held = sum(len(b) for b in buffers)
+        i = 0
+        while held + size > self.limit and i < len(buffers):
+            if sys.getrefcount(buffers[i]) == _UNVIEWED:  # idle, and too small (else leased)
+                held -= len(buffers.pop(i))
+            else:
+                i += 1
+        buffer = _anonymous(size)
+        if held + size <= self.limit:
+            buffers.append(buffer)
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of buffers the pool holds (in use or idle)."""
+        return sum(len(b) for b in self._buffers)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[ReadBuffers]:
+        """Within the block, large local reads of this thread (or task) lease from this pool
+        (:func:`read_large`), whichever :class:`~ckptkit.storage.Storage` makes them."""
+        token = _READING_INTO.set(self)
+        try:
+            yield self
+        finally:
+            _READING_INTO.reset(token)
+
+
+#: The pool large local reads of the current thread lease from (see :meth:`ReadBuffers.reading`).
+_READING_INTO: contextvars.ContextVar[ReadBuffers | None] = contextvars.ContextVar(
+    "ckptkit_read_buffers", default=None
+)
+
+
+def read_large(fd: int, start: int, length: int) -> memoryview:
+    """``length`` bytes of ``fd`` from ``start`` (shorter only where the file ends now), read
+    with ``os.preadv`` into a buffer leased from the pool the calling reader made current
+    (:meth:`ReadBuffers.reading`), else into fresh anonymous memory (:func:`_anonymous`). Never
+    a map of the file, so a file that shrinks cannot SIGBUS."""
+    pool = _READING_INTO.get()
+    view = memoryview(_anonymous(length)) if pool is None else pool.lease(length)
     got = 0
     while got < length:
         n = os.preadv(fd, [view[got : got + _PREAD_MAX]], start + got)

@@ -511,9 +511,10 @@ class Storage:
     def _fetch_local(self, requests: list[list[Any]]) -> list[bytes | memoryview]:
         """Local fast path: each file opened once (a regular file inside the root, see
         ``_open_local``) and each range read into one buffer of at most what the file holds by
-        fstat, whatever length a record claims; a range past the end, or a file that shrinks
-        meanwhile, comes back short. The file is never memory-mapped: a mapped file that
-        shrinks kills the process with SIGBUS."""
+        fstat, whatever length a record claims (large ranges: a reused one of the calling
+        reader's pool, see :class:`~ckptkit.storage.local.ReadBuffers`); a range past the end,
+        or a file that shrinks meanwhile, comes back short. The file is never memory-mapped: a
+        mapped file that shrinks kills the process with SIGBUS."""
         blobs: list[bytes | memoryview] = []
         current: tuple[str, int, int] | None = None  # (rel, descriptor, size)
         walk = Beneath(self._roots, self._prefix)  # the folders opened once for the batch

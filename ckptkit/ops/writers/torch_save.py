@@ -17,7 +17,6 @@ import math
 import pickle
 import struct
 import sys
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
@@ -26,6 +25,7 @@ import numpy as np
 
 from ... import dtypes
 from ...crc32 import combine as combine_crc
+from ...crc32 import crc32
 from ...decoding.known_objects import BENIGN_GLOBALS, Device, benign_placeholder
 from ...decoding.pickle_limits import OBJECT_LIMITS
 from ...decoding.records import TensorData
@@ -113,9 +113,10 @@ class StoredZipWriter:
                 crc = combine_crc(crc, chunk.crc32, len(chunk.data))
                 chunk = chunk.data
             else:
-                crc = zlib.crc32(chunk, crc)
+                crc = crc32(chunk, crc)
             written += len(chunk)
             self.stream.write(chunk)
+            del chunk  # let go of the piece (a reader's reused buffer) before the next is read
         if written != size:
             raise MismatchError(f"member {name!r}: {written} bytes written, {size} announced")
         end = self.stream.tell()
