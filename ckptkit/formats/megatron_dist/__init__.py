@@ -49,6 +49,7 @@ from ...errors import CheckpointError, FormatError, MissingFileError
 from ...storage import Store
 from ..detection import Detection
 from ..parts.dcp_metadata import DATA_FILE, METADATA, read_dcp
+from ..parts.megatron_tracker import TRACKER, tracked_iteration
 from ..parts.torch_save_files import leaves, load_pickles, pickle_entries, tensor_record
 from .layers import archive_pickles, layer_chunks, layer_key, stacked_name
 from .pickles import MEGATRON_GLOBALS, mcore_data
@@ -57,7 +58,6 @@ NAME = "megatron_dist"
 CONFIG = "metadata.json"
 COMMON = "common.pt"
 INTEGRITY = "integrity.json"
-TRACKER = "latest_checkpointed_iteration.txt"
 #: The folders of a Megatron run directory, one per saved iteration.
 ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
 #: Groups of stored keys by their first part; everything else is the model's.
@@ -81,7 +81,7 @@ def detect(storage: Store) -> Detection | None:
     found = _detect_here(storage, listing)
     if found is not None or TRACKER not in listing:
         return found
-    sub = _tracked_iteration(storage)
+    sub = tracked_iteration(storage)
     if sub is None:
         return None
     if listing.get(sub, 0) >= 0:  # the named iteration is not there: Megatron's run layout?
@@ -125,17 +125,6 @@ def _config(storage: Store) -> dict[str, Any] | None:
     return None
 
 
-def _tracked_iteration(storage: Store) -> str | None:
-    """The ``iter_NNNNNNN`` (or ``release``) directory the run's tracker file names."""
-    try:
-        text = storage.read_file(TRACKER, max_bytes=64).decode("ascii").strip()
-    except (CheckpointError, ValueError, UnicodeDecodeError):
-        return None
-    if text == "release":
-        return "release"
-    return f"iter_{int(text):07d}" if text.isdigit() else None
-
-
 def describe(storage: Store) -> Catalog:
     """The catalog of a ``torch_dist`` directory: its DCP metadata, ``common.pt`` and per-layer
     views of the stacked layer tensors (reading their records' zip directories)."""
@@ -172,7 +161,7 @@ def _check_supported(storage: Store) -> None:
     """Refuse, naming the layout, what this adapter recognises but cannot read."""
     listing = storage.listdir()
     found = _detect_here(storage, listing)
-    sub = _tracked_iteration(storage) if found is None and TRACKER in listing else None
+    sub = tracked_iteration(storage) if found is None and TRACKER in listing else None
     if sub is not None:
         raise MissingFileError(
             f"{storage.describe(TRACKER)} names {sub}/, but {storage.describe(sub)} holds no "

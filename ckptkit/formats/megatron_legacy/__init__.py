@@ -42,17 +42,16 @@ from ...catalog.model import Catalog, CatalogBuilder, Entry, Facts
 from ...errors import CheckpointError, MissingFileError
 from ...storage import Store
 from ..detection import Detection
+from ..parts.megatron_tracker import TRACKER, tracked_iteration
 from ..parts.torch_save_files import load_pickles, pickle_entries
 from .errors import MegatronLegacyError
 from .layout import (
     RANK_DIR,
     RANK_FILE,
-    TRACKER,
     RankFile,
     check_grid,
     rank_dirs,
     rank_files,
-    tracked_iteration,
 )
 from .merge import MODEL_GROUP, TIED_GROUP, merge_model
 from .replicas import warn_differing_copies

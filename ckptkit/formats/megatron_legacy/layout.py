@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ...errors import CheckpointError, CoverageError
+from ...errors import CoverageError
 from ...storage import Store
 from .errors import MegatronLegacyError
 from .rules import ModelArgs
@@ -16,16 +16,13 @@ __all__ = [
     "ITERATION_DIR",
     "RANK_DIR",
     "RANK_FILE",
-    "TRACKER",
     "RankFile",
     "check_grid",
     "rank_dirs",
     "rank_files",
-    "tracked_iteration",
 ]
 
 #: The run's tracker file: the latest iteration saved (or ``release``).
-TRACKER = "latest_checkpointed_iteration.txt"
 #: The folders of a run directory, one per saved iteration.
 ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
 #: One model-parallel rank's folder: ``mp_rank_<TP>`` or, with pipeline stages,
@@ -53,18 +50,6 @@ class RankFile:
 def rank_dirs(listing: dict[str, int]) -> list[str]:
     """The ``mp_rank_*`` folders in a directory listing, sorted."""
     return sorted(name for name, size in listing.items() if size < 0 and RANK_DIR.match(name))
-
-
-def tracked_iteration(storage: Store) -> str | None:
-    """The ``iter_NNNNNNN`` (or ``release``) folder the run's tracker names; None when it
-    names none (unreadable, not a number)."""
-    try:
-        text = storage.read_file(TRACKER, max_bytes=64).decode("ascii").strip()
-    except (CheckpointError, ValueError, UnicodeDecodeError):
-        return None
-    if text == "release":
-        return text
-    return f"iter_{int(text):07d}" if text.isdigit() else None
 
 
 def rank_files(storage: Store) -> list[RankFile]:
