@@ -3,15 +3,19 @@ folders, on the fixtures of ``tests/fixtures/generators/nemo.py``.
 
 Each weight layout opens, verifies and unshards bit-equal to an independent load: torch.load of
 the archive's ``model_weights.ckpt`` as ``tarfile`` extracts it, and for the Megatron layouts the
-``torch_dist`` fixture the archive / folder was made from, opened as a folder. Over S3 the
+``torch_dist`` fixture the archive / folder was made from, opened as a folder; a
+tensor-parallel archive merges into the TP=1 model its ranks were split from. Over S3 the
 tensors are read as exact ranges of the archive, inside the members; compressed,
-model-parallel and hostile archives are refused with typed errors naming what is wrong.
+pipeline-parallel, inconsistent and hostile archives are refused with typed errors naming what is
+wrong.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
+import json
 import shutil
 import tarfile
 import uuid
@@ -21,6 +25,7 @@ import fsspec
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 import ckptkit
 from ckptkit import cli
@@ -33,8 +38,9 @@ from ckptkit.errors import (
     UnsafePathError,
     UnsupportedLayoutError,
 )
+from ckptkit.formats.parts.megatron_tp_rules import MegatronTPError
 
-from oracle import assert_bit_equal
+from oracle import assert_bit_equal, raw_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ASR = FIXTURES / "nemo_asr" / "model.nemo"
@@ -187,18 +193,175 @@ def test_verify_and_unshard_equal_the_extracted_checkpoint(path, tmp_path, capsy
 # -- refused layouts ------------------------------------------------------------------------------
 
 
-def test_a_model_parallel_archive_is_refused_by_name(capsys):
-    found = ckptkit.detect(str(TP2))
+# -- tensor-parallel archives: merged by Megatron's naming rules ----------------------------------
+
+
+def with_config(path: Path, out: Path, **fields) -> Path:
+    """The archive at ``path`` with its ``model_config.yaml`` fields set (None: removed)."""
+    config = yaml.safe_load(member_bytes(path, "model_config.yaml"))
+    for name, value in fields.items():
+        if value is None:
+            config.pop(name, None)
+        else:
+            config[name] = value
+    text = yaml.safe_dump(config, sort_keys=False).encode()
+    return repacked(path, out, **{"model_config.yaml": text})
+
+
+def tp2_archive(tmp_path: Path, **fields) -> Path:
+    """The TP=2 fixture (4 attention heads of 6 channels), its config changed by ``fields``."""
+    return with_config(TP2, tmp_path / "tp2.nemo", **fields) if fields else TP2
+
+
+def reference_tp2() -> dict[str, dict]:
+    listed = json.loads((TP2.parent / "reference" / "tensors.sha256.json").read_text())
+    return listed["model_weights.ckpt"]
+
+
+def sha_of(tensor: torch.Tensor) -> dict:
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "sha256": hashlib.sha256(raw_bytes(tensor)).hexdigest(),
+    }
+
+
+def test_a_tensor_parallel_archive_is_merged_into_the_model_it_was_split_from(tmp_path, capsys):
+    path = tp2_archive(tmp_path)
+    found = ckptkit.detect(str(path))
     assert found.format == "nemo"
     assert "found mp_rank_00, mp_rank_01 (tensor-parallel ranks)" in found.evidence
+    ckpt = ckptkit.open(str(path))
+    facts = ckpt.catalog.facts
+    assert facts.layout == (
+        "NeMo .nemo archive: mp_rank_XX/model_weights.ckpt (Megatron GPT, TP=2, merged)"
+    )
+    assert facts.world_size == 2 and facts.config_file == "model_config.yaml"
+    assert facts.rank_files == ("mp_rank_00/model_weights.ckpt", "mp_rank_01/model_weights.ckpt")
+    reference = reference_tp2()
+    assert sorted(e.key for e in ckpt.catalog.tensors()) == sorted(
+        f"model_weights.{key}" for key in reference
+    )
+    for key, expected in reference.items():
+        assert sha_of(ckpt.read(f"model_weights.{key}")) == expected, key
+    qkv = ckpt.catalog.entries[
+        "model_weights.model.language_model.encoder.layers.0.self_attention.query_key_value.weight"
+    ]
+    assert [(c.offsets, c.sizes, c.rank) for c in qkv.chunks] == [
+        ((0, 0), (36, 24), 0),
+        ((36, 0), (36, 24), 1),
+    ]
+    proj = ckpt.catalog.entries[
+        "model_weights.model.language_model.encoder.layers.0.mlp.dense_4h_to_h.weight"
+    ]
+    assert [c.offsets for c in proj.chunks] == [(0, 0), (0, 24)]  # row-parallel: dim 1
+
+    assert cli.main(["verify", str(path)]) == 0
+    out = tmp_path / "out"
+    assert cli.main(["unshard", str(path), str(out), "--to", "safetensors"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model_config.objects.pt",
+        "model_weights.safetensors",
+    ]
+    written = load_file(str(out / "model_weights.safetensors"))
+    assert {key: sha_of(value) for key, value in written.items()} == reference
+    capsys.readouterr()
+
+
+def test_the_reference_is_what_the_rank_files_split(tmp_path):
+    """The oracle: each rank's tensors, concatenated by torch along Megatron's split dimension,
+    are the reference (checked independently of ckptkit)."""
+    ranks = [
+        torch.load(
+            io.BytesIO(member_bytes(TP2, f"mp_rank_0{r}/model_weights.ckpt")), weights_only=True
+        )
+        for r in range(2)
+    ]
+    reference = reference_tp2()
+    for key, expected in reference.items():
+        row = "self_attention.dense." in key or "dense_4h_to_h" in key
+        column = any(n in key for n in ("word_embeddings", "query_key_value", "dense_h_to_4h"))
+        pieces = [rank[key] for rank in ranks]
+        whole = torch.cat(pieces, dim=1 if row else 0) if row or column else pieces[0]
+        assert sha_of(whole) == expected, key
+
+
+def with_rank_tensor(path: Path, out: Path, key: str, value: torch.Tensor) -> Path:
+    """The archive with ``key`` added to every rank file (torch.save'd again)."""
+    replace = {}
+    for r in range(2):
+        name = f"mp_rank_0{r}/model_weights.ckpt"
+        state = torch.load(io.BytesIO(member_bytes(path, name)), weights_only=True)
+        state[key] = value
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        replace[name] = buffer.getvalue()
+    return repacked(path, out, **replace)
+
+
+QKV = "model_weights.model.language_model.encoder.layers.0.self_attention.query_key_value.weight"
+REFUSALS = {
+    "no-hidden-size": (
+        {"hidden_size": None},
+        MegatronTPError,
+        r"model_config\.yaml: hidden_size is None, not a positive int \(needed to check",
+        "model_config.yaml",
+        "model_config.hidden_size",
+    ),
+    "three-heads-at-tp2": (
+        {"num_attention_heads": 3},
+        MegatronTPError,
+        r"holds 3 query groups \(args\), not divisible by TP=2",
+        "mp_rank_00/model_weights.ckpt",
+        QKV,
+    ),
+    "ffn-size-disagrees": (
+        {"ffn_hidden_size": 64},
+        MegatronTPError,
+        r"has shape \[24, 24\] on TP rank 0, but args give \[32, 24\]",
+        "mp_rank_00/model_weights.ckpt",
+        "model_weights.model.language_model.encoder.layers.0.mlp.dense_h_to_4h.weight",
+    ),
+    "unknown-activation": (
+        {"activation": "swish-gate"},
+        MegatronTPError,
+        r"activation 'swish-gate' is not one ckptkit knows",
+        "model_config.yaml",
+        "model_config.activation",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_tensor_parallel_refusals_name_the_file_and_key(case, tmp_path, capsys):
+    fields, error, message, file, key = REFUSALS[case]
+    path = tp2_archive(tmp_path, **fields)
+    with pytest.raises(error, match=message) as caught:
+        ckptkit.open(str(path))
+    assert (caught.value.file, caught.value.key) == (file, key)
+    assert f"{path}/{file}" in str(caught.value)
+    assert cli.main(["inspect", str(path)]) == 2
+    assert f"{path}/{file}" in capsys.readouterr().err
+    assert cli.main(["verify", str(path)]) == 1  # a format problem, as megatron_legacy's
+    assert f"{path}/{file}" in capsys.readouterr().out
+
+
+def test_a_parameter_without_a_rule_is_refused(tmp_path):
+    expert = "model.language_model.encoder.layers.0.mlp.experts.0.weight"
+    path = with_rank_tensor(tp2_archive(tmp_path), tmp_path / "moe.nemo", expert, torch.ones(4))
+    with pytest.raises(MegatronTPError, match="has no Megatron tensor-parallel rule") as caught:
+        ckptkit.open(str(path))
+    assert caught.value.key == f"model_weights.{expert}"
+
+
+def test_a_pipeline_parallel_archive_is_refused_by_name(tmp_path, capsys):
+    path = tp2_archive(tmp_path, pipeline_model_parallel_size=2)
     with pytest.raises(
-        UnsupportedLayoutError, match=r"model-parallel \.nemo archive \(mp_rank_00, mp_rank_01"
-    ) as error:
-        ckptkit.open(str(TP2))
-    assert "tensor_model_parallel_size 2" in str(error.value)
-    assert str(TP2) in str(error.value)
-    assert cli.main(["verify", str(TP2)]) == 2  # not damage: a layout ckptkit does not read
-    assert "model-parallel .nemo archive" in capsys.readouterr().err
+        UnsupportedLayoutError, match=r"a pipeline-parallel \.nemo archive \(mp_rank_00, mp_rank_01"
+    ):
+        ckptkit.open(str(path))
+    assert cli.main(["verify", str(path)]) == 2
+    assert "pipeline_model_parallel_size 2" in capsys.readouterr().err
 
 
 def test_a_compressed_nemo_is_refused_with_the_commands(tmp_path):

@@ -1,5 +1,9 @@
 """NeMo checkpoints: ``.nemo`` archives read in place, and NeMo 2 checkpoint folders.
 
+Longer than most: one adapter for three archive weight layouts (one of them merged from its
+tensor-parallel ranks, with the model sizes read from the config), NeMo 2 folders, and the
+re-rooting of the weights' own adapter's catalog.
+
 A ``.nemo`` file (NeMo 1.x ``SaveRestoreConnector.save_to``: ``tarfile.open(path, "w:")`` of a
 folder added as ``.``) is an uncompressed tar of ``model_config.yaml`` (the model's OmegaConf
 config), the weights, and artifacts (``<uuid>_tokenizer.model``…). The weights are one of:
@@ -9,11 +13,21 @@ config), the weights, and artifacts (``<uuid>_tokenizer.model``…). The weights
 * ``model_weights/``: a Megatron-core ``torch_dist`` folder (``NLPSaveRestoreConnector`` with
   distributed checkpointing), placed as the Megatron adapter places it (``model.*``,
   ``optimizer.*``, ``common.*``, ``stacked.*``);
-* ``mp_rank_XX[_YYY]/model_weights.ckpt``: tensor (and pipeline) parallel ranks of a legacy
-  Megatron model. Merging them needs Megatron's parameter naming rules checked against the
-  model's shapes; ckptkit applies them to Megatron-LM's ``model_optim_rng.pt`` (the
-  ``megatron_legacy`` adapter: its ``args`` give the shapes), whereas NeMo's rank files hold
-  the bare state dict: recognised and refused, the layout named.
+* ``mp_rank_XX/model_weights.ckpt``: the tensor-parallel ranks of a Megatron GPT model (NeMo's
+  ``MegatronGPTModel``), each a bare state dict with Megatron's names under NeMo's ``model.``
+  (legacy ``model.language_model.…``, mcore ``model.decoder.…``). The split dimension is not
+  saved: the ranks are merged into the TP=1 state dict (group ``model_weights``, as that model's
+  ``model_weights.ckpt`` opens) by Megatron's parameter naming rules
+  (:mod:`.parts.megatron_tp_rules`, shared with ``megatron_legacy``), every piece's shape
+  checked against the sizes in ``model_config.yaml`` (``hidden_size``, ``ffn_hidden_size``,
+  ``num_attention_heads``, ``num_layers``, ``tensor_model_parallel_size`` are required;
+  ``num_query_groups``, ``kv_channels``, ``activation``, ``share_embeddings_and_output_weights``
+  as NeMo defaults them). The vocabulary size is the tokenizer's, not in the config: the padded
+  vocabulary is ``padded_vocab_size`` when given, else TP × the word embeddings' rows per rank
+  (a multiple of ``make_vocab_size_divisible_by`` × TP when that is given). A missing size, a
+  parameter without a rule, a shape that disagrees, pipeline parallelism (``mp_rank_XX_YYY``)
+  and mixtures of experts are refused naming the file and key (:class:`MegatronTPError`, or
+  :class:`UnsupportedLayoutError` for a layout), never guessed.
 
 The archive is read through :mod:`ckptkit.storage.tar_archive`: its headers are indexed and each
 member is a byte range of the archive, locally or remotely; nothing is extracted or copied.
@@ -56,6 +70,7 @@ from ..decoding.run_config import MAX_CONFIG_BYTES, flatten, leaves, read_config
 from ..errors import (
     CheckpointError,
     CorruptRecordError,
+    CoverageError,
     FormatError,
     MissingFileError,
     UnsupportedLayoutError,
@@ -64,7 +79,9 @@ from ..storage import Store
 from ..storage.tar_archive import open_tar_archive
 from ..storage.tar_headers import BLOCK, GZIP_MAGIC, is_tar_header
 from .detection import Detection, file_location
-from .parts.torch_save_files import describe_files, group_of
+from .parts.megatron_tp import Naming, merge_model, warn_differing_copies
+from .parts.megatron_tp_rules import MegatronTPError, ModelArgs
+from .parts.torch_save_files import describe_files, group_of, load_pickles, pickle_entries
 
 __all__ = [
     "CONFIG",
@@ -87,7 +104,7 @@ CONFIG = "model_config.yaml"
 WEIGHTS_FILE = "model_weights.ckpt"
 WEIGHTS_DIR = "model_weights"
 #: NeMo's tensor (``mp_rank_00``) and tensor + pipeline (``mp_rank_00_001``) parallel folders.
-RANK_DIR = re.compile(r"^mp_rank_\d{2}(?:_\d{3})?$")
+RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?$")
 NEMO2_WEIGHTS = "weights"
 NEMO2_CONTEXT = "context"
 NEMO2_CONFIG = "context/model.yaml"
@@ -140,7 +157,7 @@ def _detect_archive(parent: Store, name: str) -> Detection | None:
 
 def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     """The catalog of a ``.nemo`` archive (as :func:`detect` opened it) or of a NeMo 2
-    folder; a compressed ``.nemo`` and a model-parallel one are refused, naming the layout
+    folder; a compressed ``.nemo`` and a pipeline-parallel one are refused, naming the layout
     (:class:`UnsupportedLayoutError`: not damage)."""
     if files is not None:
         raise _refused_file(storage, files[0])
@@ -197,7 +214,11 @@ def _describe_archive(archive: Store) -> Catalog:
         entries, inner = _delegated(_TORCH_DIST, archive, WEIGHTS_DIR)
         layout = f"NeMo .nemo archive: {WEIGHTS_DIR}/ ({inner.facts.layout or inner.format})"
     elif ranks:
-        raise _model_parallel(archive, ranks, config)
+        entries, inner = _tensor_parallel(archive, ranks, config)
+        layout = (
+            f"NeMo .nemo archive: mp_rank_XX/{WEIGHTS_FILE} (Megatron GPT, "
+            f"TP={inner.facts.world_size}, merged)"
+        )
     else:
         raise FormatError(
             f"{archive.describe()}: a .nemo archive with no weights: neither {WEIGHTS_FILE}, "
@@ -220,30 +241,196 @@ def _describe_archive(archive: Store) -> Catalog:
     return _built(entries, inner, facts)
 
 
-def _model_parallel(
+def _tensor_parallel(
     archive: Store, ranks: list[str], config: dict[str, Any]
-) -> UnsupportedLayoutError:
-    """The refusal of a model-parallel archive, naming its ranks and parallel sizes."""
-    tp = config.get("tensor_model_parallel_size")
-    pp = config.get("pipeline_model_parallel_size")
-    sizes = ", ".join(
-        f"{name} {value}"
-        for name, value in (
-            ("tensor_model_parallel_size", tp),
-            ("pipeline_model_parallel_size", pp),
+) -> tuple[list[Entry], Catalog]:
+    """The TP ranks' ``model_weights.ckpt`` merged into the TP=1 state dict (group
+    ``model_weights``), and a catalog of those files and the world size."""
+    _refuse_pipeline(archive, ranks, config)
+    tp = _config_int(archive, config, "tensor_model_parallel_size")
+    expected = [f"mp_rank_{rank:02d}" for rank in range(tp)]
+    extra = sorted(set(ranks) - set(expected))
+    if extra:
+        raise MegatronTPError(
+            f"{archive.describe(extra[0])}: not a rank of this model: {CONFIG} says "
+            f"tensor_model_parallel_size {tp} (mp_rank_00 … mp_rank_{tp - 1:02d})",
+            file=extra[0],
+            key=f"{_CONFIG_GROUP}.tensor_model_parallel_size",
         )
-        if isinstance(value, int)
+    files = [f"{label}/{WEIGHTS_FILE}" for label in expected]
+    sizes = archive.sizes(files)
+    missing = [name for name in files if sizes.get(name) is None]
+    if missing:
+        shown = ", ".join(archive.describe(name) for name in missing[:4])
+        raise CoverageError(
+            f"{shown}: missing; {CONFIG} says tensor_model_parallel_size {tp}, "
+            f"{len(ranks)} rank folder(s) are there"
+        )
+    pickled = load_pickles(archive, files, sizes)
+    leaves: dict[str, list[Entry]] = {}
+    for label, name in zip(expected, files, strict=True):
+        if not isinstance(pickled[name].value, dict) or not pickled[name].value:
+            raise MegatronTPError(
+                f"{archive.describe(name)}: holds {type(pickled[name].value).__name__}, not a "
+                "model state dict",
+                file=name,
+            )
+        leaves[label] = list(pickle_entries(pickled[name], _WEIGHTS_GROUP))
+    args = _model_args(archive, config, tp, leaves[expected[0]])
+    model = merge_model(
+        [
+            _Rank(label, name, rank, 0, rank)
+            for rank, (label, name) in enumerate(zip(expected, files, strict=True))
+        ],
+        leaves,
+        args,
+        archive.describe,
+        naming=_NAMING,
     )
-    return UnsupportedLayoutError(
-        f"{archive.describe()}: a model-parallel .nemo archive ({', '.join(ranks[:4])}"
-        f"{' …' if len(ranks) > 4 else ''}, each /{WEIGHTS_FILE}{'; ' + sizes if sizes else ''}) "
-        "is recognised but not supported: merging the ranks needs Megatron's parameter naming "
-        "rules checked against the model's shapes, which ckptkit applies to Megatron-LM's "
-        "mp_rank_XX/model_optim_rng.pt (it carries those args), not to NeMo's rank files; "
-        "extract the archive (tar -xf) and open one rank's "
-        f"{WEIGHTS_FILE} as a torch.save file, or save the model with NeMo at "
-        "tensor_model_parallel_size 1"
+    warn_differing_copies(archive, model.copies)
+    facts = Facts(world_size=tp, rank_files=tuple(files))
+    return model.entries, Catalog(NAME, {}, tuple(files), facts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rank:
+    """One TP rank's file, as :func:`~.parts.megatron_tp.merge_model` takes it."""
+
+    label: str
+    file: str
+    tp: int
+    pp: int
+    rank: int
+
+
+#: Merged entries are ``model_weights.<NeMo key>``, as the TP=1 model's file opens; Megatron's
+#: names are NeMo's keys less ``model.`` (the attribute holding Megatron's module).
+_WEIGHTS_GROUP = group_of(WEIGHTS_FILE)
+_NAMING = Naming(group=_WEIGHTS_GROUP, skip=1, prefix="model.")
+#: The config's entries' group (``model_config.hidden_size``): keys in refusals.
+_CONFIG_GROUP = posixpath.splitext(CONFIG)[0]
+#: NeMo's ``activation`` values whose first MLP linear is ``[gate; up]`` (and those that are not).
+_GATED = frozenset({"swiglu", "fast-swiglu", "geglu", "fast-geglu", "reglu", "fast-reglu"})
+_PLAIN = frozenset({"gelu", "relu", "squared-relu", "approx-gelu"})
+#: The word embeddings (or output layer) whose rows give the padded vocabulary.
+_VOCAB_NAMES = (
+    "language_model.embedding.word_embeddings.weight",
+    "embedding.word_embeddings.weight",
+    "language_model.output_layer.weight",
+    "output_layer.weight",
+)
+
+
+def _refuse_pipeline(archive: Store, ranks: list[str], config: dict[str, Any]) -> None:
+    """Pipeline stages, interleaving and experts are refused by name (not merged)."""
+    staged = [name for name in ranks if RANK_DIR.match(name).group("pp") is not None]
+    pp = config.get("pipeline_model_parallel_size")
+    if staged or (pp is not None and pp != 1):
+        raise UnsupportedLayoutError(
+            f"{archive.describe()}: a pipeline-parallel .nemo archive ({', '.join(ranks[:4])}"
+            f"{' …' if len(ranks) > 4 else ''}; pipeline_model_parallel_size {pp!r}) is "
+            "recognised but not supported: only tensor-parallel ranks (mp_rank_XX/"
+            f"{WEIGHTS_FILE}) are merged; save the model with NeMo at "
+            "pipeline_model_parallel_size 1"
+        )
+    for name, what in (
+        ("virtual_pipeline_model_parallel_size", "an interleaved (virtual) pipeline"),
+        ("expert_model_parallel_size", "expert parallelism"),
+        ("num_moe_experts", "a mixture of experts"),
+    ):
+        value = config.get(name)
+        if value not in (None, False, 0, 1):
+            raise MegatronTPError(
+                f"{archive.describe(CONFIG)}: {name} = {value!r}: {what} is not supported",
+                file=CONFIG,
+                key=f"{_CONFIG_GROUP}.{name}",
+            )
+
+
+def _config_int(
+    archive: Store, config: dict[str, Any], name: str, default: int | None = None
+) -> int:
+    """The config's positive int ``name`` (``default`` when it is missing or null; with no
+    default, a :class:`MegatronTPError` naming it)."""
+    value = config.get(name)
+    if value is None:
+        value = default
+    if type(value) is not int or value <= 0:
+        raise MegatronTPError(
+            f"{archive.describe(CONFIG)}: {name} is {value!r}, not a positive int"
+            + (" (needed to check the merged shapes)" if name not in config else ""),
+            file=CONFIG,
+            key=f"{_CONFIG_GROUP}.{name}",
+        )
+    return value
+
+
+def _model_args(
+    archive: Store, config: dict[str, Any], tp: int, first_rank: list[Entry]
+) -> ModelArgs:
+    """The model's sizes from ``model_config.yaml`` (the vocabulary from the word embeddings'
+    rows when the config has no ``padded_vocab_size``), as the naming rules take them."""
+    hidden = _config_int(archive, config, "hidden_size")
+    heads = _config_int(archive, config, "num_attention_heads")
+    num_layers = _config_int(archive, config, "num_layers")
+    ffn = _config_int(archive, config, "ffn_hidden_size")
+    activation = config.get("activation", "gelu")
+    if activation not in _GATED | _PLAIN:
+        raise MegatronTPError(
+            f"{archive.describe(CONFIG)}: activation {activation!r} is not one ckptkit knows "
+            f"the MLP layout of ({', '.join(sorted(_GATED | _PLAIN))})",
+            file=CONFIG,
+            key=f"{_CONFIG_GROUP}.activation",
+        )
+    positions = config.get("max_position_embeddings")
+    return ModelArgs(
+        tp=tp,
+        pp=1,
+        num_layers=num_layers,
+        hidden=hidden,
+        ffn=ffn,
+        heads=heads,
+        groups=_config_int(archive, config, "num_query_groups", heads),
+        kv_channels=_config_int(archive, config, "kv_channels", hidden // heads or 1),
+        vocab=_padded_vocab(archive, config, tp, first_rank),
+        positions=positions if type(positions) is int else None,
+        swiglu=activation in _GATED,
+        tied=config.get("share_embeddings_and_output_weights", True) is not False,
+        stage_layers=(num_layers,),
     )
+
+
+def _padded_vocab(archive: Store, config: dict[str, Any], tp: int, first_rank: list[Entry]) -> int:
+    """``padded_vocab_size`` when the config gives it, else TP × rank 0's word embedding rows,
+    checked to be a multiple of ``make_vocab_size_divisible_by`` × TP when that is given."""
+    if "padded_vocab_size" in config:
+        return _config_int(archive, config, "padded_vocab_size")
+    found = {_megatron_name(entry): entry for entry in first_rank}
+    rows = next(
+        (found[name].shape[0] for name in _VOCAB_NAMES if name in found and found[name].shape),
+        None,
+    )
+    if rows is None:
+        return 0  # no vocabulary-shaped parameter: no rule uses it
+    vocab = rows * tp
+    if "make_vocab_size_divisible_by" in config:
+        multiple = _config_int(archive, config, "make_vocab_size_divisible_by") * tp
+        if vocab % multiple:
+            name = next(name for name in _VOCAB_NAMES if name in found)
+            raise MegatronTPError(
+                f"{archive.describe(f'mp_rank_00/{WEIGHTS_FILE}')}: "
+                f"'{_WEIGHTS_GROUP}.model.{name}' holds {rows} rows per rank, a vocabulary of "
+                f"{vocab}, not a multiple of make_vocab_size_divisible_by × TP = {multiple} "
+                f"(as NeMo pads it)",
+                file=f"mp_rank_00/{WEIGHTS_FILE}",
+                key=f"{_WEIGHTS_GROUP}.model.{name}",
+            )
+    return vocab
+
+
+def _megatron_name(entry: Entry) -> str:
+    """A rank file entry's key as Megatron names it (NeMo's key less ``model.``)."""
+    return ".".join(map(str, entry.path[_NAMING.skip :])).removeprefix(_NAMING.prefix)
 
 
 def _artifact_reason(name: str, size: int, references: set[str]) -> str:

@@ -13,13 +13,14 @@ nothing (the iteration it names must hold the rank folders), and an iteration ho
 Model. ``model`` is that rank's state dict, mcore names (``decoder.layers.N.mlp.linear_fc1.weight``)
 or legacy ones (``language_model.encoder.layers.N.mlp.dense_h_to_4h.weight``, nested by module);
 the tensor-parallel split dimension is not saved, so it comes from Megatron's naming rules
-(:mod:`.rules`), and every piece's shape is checked against the saved ``args`` (hidden size, FFN
-size, heads, query groups, kv channels, padded vocabulary, ``swiglu``). The merged entries
-(:mod:`.merge`) are ``model.<key>`` as the TP=1, PP=1 model names them: each TP rank's piece a
-chunk at its offset, each pipeline stage's layers renumbered by the layers before it (from
-``num_layers``, the pipeline size and the first / last stage sizes in ``args``). Replicated
-parameters keep every TP rank's copy as a chunk (reads give rank 0's); copies that differ are
-reported (:mod:`.replicas`). The last stage's copy of tied word embeddings (PP > 1: legacy
+(:mod:`ckptkit.formats.parts.megatron_tp_rules`, shared with NeMo's model-parallel archives), and
+every piece's shape is checked against the saved ``args`` (:mod:`.args`: hidden size, FFN size,
+heads, query groups, kv channels, padded vocabulary, ``swiglu``). The merged entries
+(:mod:`ckptkit.formats.parts.megatron_tp`) are ``model.<key>`` as the TP=1, PP=1 model names
+them: each TP rank's piece a chunk at its offset, each pipeline stage's layers renumbered by the
+layers before it (from ``num_layers``, the pipeline size and the first / last stage sizes in
+``args``). Replicated parameters keep every TP rank's copy as a chunk (reads give rank 0's);
+copies that differ are reported. The last stage's copy of tied word embeddings (PP > 1: legacy
 ``word_embeddings_for_head``, mcore ``output_layer``) is the alternate group ``tied_copy``,
 readable but not written by unshard. ``_extra_state`` values (TransformerEngine metadata) are
 per-rank objects.
@@ -42,8 +43,11 @@ from ...catalog.model import Catalog, CatalogBuilder, Entry, Facts
 from ...errors import CheckpointError, MissingFileError
 from ...storage import Store
 from ..detection import Detection
+from ..parts.megatron_tp import MODEL_GROUP, TIED_GROUP, merge_model, warn_differing_copies
+from ..parts.megatron_tp_rules import ModelArgs
 from ..parts.megatron_tracker import TRACKER, tracked_iteration
 from ..parts.torch_save_files import load_pickles, pickle_entries
+from .args import model_args
 from .errors import MegatronLegacyError
 from .layout import (
     RANK_DIR,
@@ -53,9 +57,6 @@ from .layout import (
     rank_dirs,
     rank_files,
 )
-from .merge import MODEL_GROUP, TIED_GROUP, merge_model
-from .replicas import warn_differing_copies
-from .rules import ModelArgs, model_args
 from .run_state import run_state_entries
 
 __all__ = ["DISTRIBUTED_OPTIMIZER", "NAME", "MegatronLegacyError", "describe", "detect"]
@@ -169,6 +170,7 @@ def describe(storage: Store) -> Catalog:
         {label: by_top.pop(MODEL_GROUP) for label, by_top in tops.items()},
         args,
         storage.describe,
+        error=MegatronLegacyError,
     )
     warn_differing_copies(storage, model.copies)
     builder = CatalogBuilder(NAME)

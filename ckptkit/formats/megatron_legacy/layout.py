@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ...errors import CoverageError
 from ...storage import Store
+from ..parts.megatron_tp_rules import ModelArgs
 from .errors import MegatronLegacyError
-from .rules import ModelArgs
 
 __all__ = [
     "ITERATION_DIR",

@@ -1,25 +1,55 @@
-"""The model of a legacy Megatron checkpoint as one TP=1, PP=1 state dict: each parameter's
-pieces from the TP ranks of its pipeline stage become chunks at their offsets along the split
-dimension :mod:`.rules` gives, and each stage's layers are renumbered by the stage's offset.
+"""A Megatron tensor- (and pipeline-) parallel model as one TP=1, PP=1 state dict, shared by
+the adapters whose rank files hold Megatron's parameter names (Megatron-LM legacy
+``model_optim_rng.pt``, NeMo's ``mp_rank_XX/model_weights.ckpt``): each parameter's pieces from
+the TP ranks of its pipeline stage become chunks at their offsets along the split dimension
+:mod:`.megatron_tp_rules` gives, and each stage's layers are renumbered by the stage's offset.
 
 Nothing is copied: a chunk is a RAW record over one rank file's storage (a SwiGLU piece is two
-records, its gate and up halves). Shapes are checked against ``args`` before any chunk is made;
-a parameter without a rule, or whose pieces disagree with ``args`` or with each other, refuses
-the checkpoint (:class:`MegatronLegacyError` naming the file and key).
+records, its gate and up halves). Shapes are checked against the model's sizes
+(:class:`~.megatron_tp_rules.ModelArgs`) before any chunk is made; a parameter without a rule,
+or whose pieces disagree with the sizes or with each other, refuses the checkpoint (the
+caller's :class:`~.megatron_tp_rules.MegatronTPError` class, naming the file and key).
+
+The copies of a replicated parameter (one per TP rank), and a tied copy of the word
+embeddings, should hold the same bytes: reads give TP rank 0's copy (what Megatron's converters
+keep), so copies that differ are reported (:func:`warn_differing_copies`), never silently
+dropped. They are compared by the CRC-32 torch.save zips store for every storage (no byte is
+read); records without one (pre-1.6 files, views of part of a storage) are read and compared, up
+to :data:`~ckptkit.tunables.BATCH_BYTES` in all, the rest reported as not compared.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from ... import tunables
 from ...catalog.model import Chunk, Encoding, Entry, Record
-from .errors import MegatronLegacyError
-from .layout import RankFile
-from .rules import EXTRA_STATE, LAYER_KEY, ModelArgs, Rule, Split, rule_for
+from ...storage import Store
+from .megatron_tp_rules import (
+    EXTRA_STATE,
+    LAYER_KEY,
+    MegatronTPError,
+    ModelArgs,
+    Rule,
+    Split,
+    rule_for,
+)
 
-__all__ = ["MODEL_GROUP", "TIED_GROUP", "Copies", "MergedModel", "merge_model"]
+__all__ = [
+    "MODEL_GROUP",
+    "TIED_GROUP",
+    "Copies",
+    "MergedModel",
+    "Naming",
+    "TPRank",
+    "differing_copies",
+    "merge_model",
+    "warn_differing_copies",
+]
 
 MODEL_GROUP = "model"
 #: The alternate group of the last stage's copy of tied word embeddings (PP > 1): readable, left
@@ -27,10 +57,26 @@ MODEL_GROUP = "model"
 TIED_GROUP = "tied_copy"
 
 
+class TPRank(Protocol):
+    """One model-parallel rank's file: its folder (``label``), ``file`` (under the checkpoint),
+    tensor- and pipeline-parallel ranks, and ``rank``, the rank its chunks carry."""
+
+    @property
+    def label(self) -> str: ...
+    @property
+    def file(self) -> str: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class Copies:
     """Records that should hold the same bytes (a replicated parameter on each TP rank, or a
-    tied copy and the embeddings it copies), for :func:`.replicas.differing_copies`."""
+    tied copy and the embeddings it copies), for :func:`differing_copies`."""
 
     key: str
     labels: tuple[str, ...]
@@ -45,46 +91,67 @@ class MergedModel:
     copies: list[Copies]
 
 
+@dataclass(frozen=True)
+class Naming:
+    """Where Megatron's parameter names are in the rank files' entries and where the merged
+    ones go: ``skip`` leading path parts dropped (Megatron-LM: ``(_, "model")``), then the
+    dotted ``prefix`` the names start with (NeMo: ``model.``, its module holding Megatron's);
+    merged entries are ``group`` + the rest of the path (layer index renumbered)."""
+
+    group: str = MODEL_GROUP
+    skip: int = 2
+    prefix: str = ""
+
+
 def merge_model(
-    ranks: Sequence[RankFile],
+    ranks: Sequence[TPRank],
     leaves: dict[str, list[Entry]],
     args: ModelArgs,
     describe: Callable[[str], str],
+    *,
+    naming: Naming = Naming(),
+    error: type[MegatronTPError] = MegatronTPError,
 ) -> MergedModel:
-    """Merge the ``model`` leaves of every rank file (``leaves[label]``: entries whose path is
-    ``(_, "model", *inner)``, as :func:`~.parts.torch_save_files.pickle_entries` gives them);
-    ``describe(file)`` names a file in messages."""
-    merger = _Merger(args, describe)
+    """Merge the model leaves of every rank file (``leaves[label]``: entries whose path is
+    ``(_, "model", *inner)``, as :func:`~.torch_save_files.pickle_entries` gives them, or as
+    ``naming`` says); ``describe(file)`` names a file in messages; refusals are ``error``."""
+    merger = _Merger(args, describe, naming, error)
     for stage in range(args.pp):
         merger.stage(stage, [r for r in ranks if r.pp == stage], leaves)
     return MergedModel(merger.entries, merger.copies)
 
 
-def _name(entry: Entry) -> str:
-    return ".".join(map(str, entry.path[2:]))
-
-
 class _Merger:
     """One merge: entries and copies so far, and where each key came from."""
 
-    def __init__(self, args: ModelArgs, describe: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        describe: Callable[[str], str],
+        naming: Naming,
+        error: type[MegatronTPError],
+    ) -> None:
         self.args = args
         self.describe = describe
+        self.naming = naming
+        self.error = error
         self.entries: list[Entry] = []
         self.copies: list[Copies] = []
         self.placed: dict[str, str] = {}  # merged key → the file it came from
-        self.embeddings: tuple[Entry, tuple[RankFile, ...]] | None = None
-        self.tied: list[tuple[Entry, tuple[RankFile, ...]]] = []
+        self.embeddings: tuple[Entry, tuple[TPRank, ...]] | None = None
+        self.tied: list[tuple[Entry, tuple[TPRank, ...]]] = []
 
-    def refuse(self, rank: RankFile, name: str, why: str) -> MegatronLegacyError:
-        key = f"model.{name}"
-        return MegatronLegacyError(
-            f"{self.describe(rank.file)}: {key!r} {why}", file=rank.file, key=key
-        )
+    def text(self, entry: Entry) -> str:
+        """An entry's dotted path after the skipped parts (Megatron's name, with ``prefix``)."""
+        return ".".join(map(str, entry.path[self.naming.skip :]))
 
-    def stage(self, stage: int, ranks: list[RankFile], leaves: dict[str, list[Entry]]) -> None:
+    def refuse(self, rank: TPRank, name: str, why: str) -> MegatronTPError:
+        key = f"{self.naming.group}.{self.naming.prefix}{name}"
+        return self.error(f"{self.describe(rank.file)}: {key!r} {why}", file=rank.file, key=key)
+
+    def stage(self, stage: int, ranks: list[TPRank], leaves: dict[str, list[Entry]]) -> None:
         """Merge one pipeline stage's TP ranks (``ranks`` in TP order)."""
-        tables = [{_name(e): e for e in leaves[r.label]} for r in ranks]
+        tables = [self.named(r, leaves[r.label]) for r in ranks]
         first = ranks[0]
         for rank, table in zip(ranks[1:], tables[1:], strict=True):
             for name in sorted(tables[0].keys() ^ table.keys()):
@@ -96,7 +163,7 @@ class _Merger:
         layers: set[int] = set()
         for name, entry in tables[0].items():
             pieces = [table[name] for table in tables]
-            path = entry.path[2:]
+            path = entry.path[self.naming.skip :]
             layer = LAYER_KEY.match(name)
             if layer:
                 local = int(layer.group("index"))
@@ -109,7 +176,10 @@ class _Merger:
                         f"{self.args.num_layers}, PP={self.args.pp})",
                     )
                 layers.add(local)
-                path = _renumbered(path, layer.start("index"), layer.end("index"), offset + local)
+                shift = len(self.naming.prefix)
+                path = _renumbered(
+                    path, shift + layer.start("index"), shift + layer.end("index"), offset + local
+                )
             if name.rsplit(".", 1)[-1] == EXTRA_STATE:
                 self.add(self.per_rank(name, path, pieces, ranks), first)
                 continue
@@ -132,7 +202,7 @@ class _Merger:
         expected = set(range(self.args.stage_layers[stage]))
         if layers != expected and self.args.stage_layers[stage]:
             missing = sorted(expected - layers)
-            raise MegatronLegacyError(
+            raise self.error(
                 f"{self.describe(first.file)}: pipeline stage {stage} holds layers "
                 f"{sorted(layers)}, args say {self.args.stage_layers[stage]} (missing "
                 f"{missing})",
@@ -142,9 +212,27 @@ class _Merger:
         if stage == self.args.pp - 1:
             self.pair_tied_copies()
 
-    def add(self, entry: Entry, rank: RankFile) -> None:
+    def named(self, rank: TPRank, entries: list[Entry]) -> dict[str, Entry]:
+        """A rank's entries by Megatron name: the dotted path after the skipped parts, less
+        ``prefix`` (an entry without it is refused: not a parameter of Megatron's model)."""
+        prefix = self.naming.prefix
+        found: dict[str, Entry] = {}
+        for entry in entries:
+            text = self.text(entry)
+            if not text.startswith(prefix):
+                raise self.error(
+                    f"{self.describe(rank.file)}: {entry.key!r} is not under {prefix!r} (the "
+                    "module holding Megatron's model): it has no tensor-parallel rule, so the "
+                    "ranks are not merged",
+                    file=rank.file,
+                    key=entry.key,
+                )
+            found[text[len(prefix) :]] = entry
+        return found
+
+    def add(self, entry: Entry, rank: TPRank) -> None:
         if entry.key in self.placed:
-            raise MegatronLegacyError(
+            raise self.error(
                 f"{self.describe(rank.file)}: {entry.key!r} is also in "
                 f"{self.describe(self.placed[entry.key])}: two pipeline stages hold it",
                 file=rank.file,
@@ -153,7 +241,7 @@ class _Merger:
         self.placed[entry.key] = rank.file
         self.entries.append(entry)
 
-    def group_of(self, name: str, stage: int, rank: RankFile) -> str:
+    def group_of(self, name: str, stage: int, rank: TPRank) -> str:
         """``tied_copy`` for the last stage's copy of tied embeddings, else ``model``."""
         last = stage == self.args.pp - 1 and self.args.pp > 1
         if name == "word_embeddings_for_head.weight":
@@ -175,7 +263,7 @@ class _Merger:
                     "(no untie_embeddings_and_output_weights) with a single pipeline stage",
                 )
             return TIED_GROUP
-        return MODEL_GROUP
+        return self.naming.group
 
     # ----------------------------------------------------------------------------------------
 
@@ -185,7 +273,7 @@ class _Merger:
         name: str,
         rule: Rule,
         pieces: list[Entry],
-        ranks: list[RankFile],
+        ranks: list[TPRank],
     ) -> Entry:
         """One parameter from its TP pieces, checked against ``rule``."""
         piece_shape = self.checked_piece_shape(name, rule, pieces, ranks)
@@ -219,7 +307,7 @@ class _Merger:
         return Entry(key, path, "tensor", tuple(chunks), dtype, full)
 
     def checked_piece_shape(
-        self, name: str, rule: Rule, pieces: list[Entry], ranks: list[RankFile]
+        self, name: str, rule: Rule, pieces: list[Entry], ranks: list[TPRank]
     ) -> tuple[int, ...]:
         """The shape each TP rank's piece has by ``rule`` and ``args``, once every piece is a
         tensor of that shape and of one dtype."""
@@ -259,7 +347,7 @@ class _Merger:
                 )
         return piece_shape
 
-    def per_rank(self, name: str, path: tuple, pieces: list[Entry], ranks: list[RankFile]) -> Entry:
+    def per_rank(self, name: str, path: tuple, pieces: list[Entry], ranks: list[TPRank]) -> Entry:
         """A module's ``_extra_state``: each TP rank's own value (objects, or tensors of one
         shape), rank 0's first: reads give TP rank 0's, ``rank=`` another's."""
         first = pieces[0]
@@ -271,14 +359,14 @@ class _Merger:
                     "differs in kind, dtype or shape between TP ranks: each rank's extra "
                     "state cannot be kept as copies of one value",
                 )
-        key = ".".join(map(str, (MODEL_GROUP, *path)))
+        key = ".".join(map(str, (self.naming.group, *path)))
         chunks = tuple(
             Chunk(piece.chunks[0].offsets, piece.chunks[0].sizes, piece.chunks[0].record, rank.rank)
             for piece, rank in zip(pieces, ranks, strict=True)
         )
         return Entry(
             key,
-            (MODEL_GROUP, *path),
+            (self.naming.group, *path),
             first.kind,
             chunks,
             first.dtype,
@@ -293,7 +381,7 @@ class _Merger:
         embeddings, embedding_ranks = self.embeddings
         for copy, copy_ranks in self.tied:
             if copy.shape != embeddings.shape or copy.dtype != embeddings.dtype:
-                raise MegatronLegacyError(
+                raise self.error(
                     f"{self.describe(copy_ranks[0].file)}: {copy.key!r} (shape "
                     f"{list(copy.shape)}, {copy.dtype.name}) is a copy of the tied "
                     f"{embeddings.key!r} (shape {list(embeddings.shape)}, "
@@ -354,3 +442,74 @@ def _rows(
         Encoding.RAW,
         stride=tuple(stride),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Copies that should hold the same bytes.
+
+
+def differing_copies(storage: Store, copies: list[Copies]) -> tuple[list[str], list[str]]:
+    """``(differing, unchecked)``: each a list of ``'model.x (mp_rank_00 vs mp_rank_01)'``."""
+    differing: list[str] = []
+    unchecked: list[str] = []
+    to_read: list[Copies] = []
+    budget = tunables.BATCH_BYTES
+    for item in copies:
+        records = item.records
+        if all(r is None for r in records):
+            continue  # no elements
+        if any(r is None for r in records):
+            differing.append(_shown(item, 0, records.index(None)))
+            continue
+        if all(r.crc32 is not None for r in records):
+            first = (records[0].crc32, records[0].length)
+            odd = next((i for i, r in enumerate(records) if (r.crc32, r.length) != first), None)
+            if odd is not None:
+                differing.append(_shown(item, 0, odd))
+            continue
+        layouts = {(r.length, r.stride) for r in records}
+        size = sum(r.length for r in records)
+        if len(layouts) > 1 or size > budget:
+            unchecked.append(_shown(item, 0, len(records) - 1))
+            continue
+        budget -= size
+        to_read.append(item)
+    if to_read:
+        ranges = [(r.file, r.offset, r.offset + r.length) for item in to_read for r in item.records]
+        blobs = iter(storage.read_ranges(ranges))
+        for item in to_read:
+            data = [next(blobs) for _ in item.records]
+            odd = next((i for i, blob in enumerate(data) if blob != data[0]), None)
+            if odd is not None:
+                differing.append(_shown(item, 0, odd))
+    return differing, unchecked
+
+
+def _shown(item: Copies, a: int, b: int) -> str:
+    return f"{item.key} ({item.labels[a]} vs {item.labels[b]})"
+
+
+def warn_differing_copies(storage: Store, copies: list[Copies]) -> None:
+    """A warning naming the copies that differ (or could not be compared), if any."""
+    differing, unchecked = differing_copies(storage, copies)
+    if differing:
+        shown = ", ".join(differing[:4]) + (
+            f" and {len(differing) - 4} more" if len(differing) > 4 else ""
+        )
+        many = len(differing) > 1
+        warnings.warn(
+            f"{storage.describe()}: {len(differing)} {'copies' if many else 'copy'} of "
+            f"replicated or tied parameters {'differ' if many else 'differs'} between the ranks "
+            f"holding {'them' if many else 'it'}: {shown}; reads and unshard give TP rank 0's "
+            "copy (as Megatron's converters keep), read(key, rank=N) gives rank N's",
+            stacklevel=3,
+        )
+    if unchecked:
+        shown = ", ".join(unchecked[:4]) + (
+            f" and {len(unchecked) - 4} more" if len(unchecked) > 4 else ""
+        )
+        warnings.warn(
+            f"{storage.describe()}: copies of replicated parameters not compared across ranks "
+            f"(no CRC-32 stored, too large or laid out differently): {shown}",
+            stacklevel=3,
+        )
