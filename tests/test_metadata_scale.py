@@ -15,7 +15,9 @@ import torch
 import ckptkit
 from ckptkit.catalog import tables
 from ckptkit.decoding import pickle_limits, pickle_stream, unpickler
+from ckptkit.decoding.dcp_scan import ScanDeclined
 from ckptkit.errors import CheckpointError, CorruptRecordError
+from ckptkit.formats.parts import dcp_metadata
 
 from oracle import assert_catalog_matches_torch
 
@@ -65,6 +67,10 @@ def many_keys(tmp_path_factory):
     return path
 
 
+def _declined(*args, **kwargs):
+    raise ScanDeclined("this test reads metadata with the unpickler")
+
+
 def test_metadata_read_in_small_pieces_gives_the_same_catalog(many_keys, monkeypatch):
     whole = ckptkit.open(str(many_keys))
     seen: list[int] = []
@@ -76,6 +82,8 @@ def test_metadata_read_in_small_pieces_gives_the_same_catalog(many_keys, monkeyp
 
     monkeypatch.setattr(pickle_stream.PiecesReader, "__init__", spy)
     monkeypatch.setattr(pickle_stream, "PIECE", 997)  # an odd size: opcodes straddle pieces
+    # the unpickler reads in pieces (the DCP scan, tried first, reads the file whole)
+    monkeypatch.setattr(dcp_metadata, "_read_scanned", _declined)
     in_pieces = ckptkit.open(str(many_keys))
     assert seen and seen[0] > 500, seen  # the metadata really was fed in pieces
     assert _catalog_dump(in_pieces) == _catalog_dump(whole)

@@ -1,12 +1,18 @@
 """DCP metadata (``.metadata``, or the rank-local ``__R.metadata`` set written with
-``use_collectives=False``) read through the safe unpickler with plain stand-ins for torch's
-classes, as entries → chunks → records. Never reads a data file.
+``use_collectives=False``) as entries → chunks → records. Never reads a data file.
+
+Two decoders give the same entries: the purpose-built scan
+(:func:`~ckptkit.decoding.dcp_scan.scan_dcp_metadata`), whose per-chunk records come as numpy
+columns and are joined here column-wise (:class:`_ColumnUnion`), and the safe unpickler with
+plain stand-ins for torch's classes (:class:`_MetadataUnion`). The scan is tried first; anything
+it or the column join does not handle exactly (an unusual pickle, or metadata the unpickled path
+would refuse) falls back to the unpickler, which then says what is wrong.
 
 Shared by the ``dcp`` adapter and OLMo step directories (``olmo_dcp``), whose DCP sits in
 ``model_and_optim/``: there every record's file is built with that prefix.
 
-Longer than most: the stand-ins for every torch version's metadata classes and their type checks
-are one contract.
+Longer than most: the stand-ins for every torch version's metadata classes, their type checks,
+and the column join that must agree with them exactly are one contract.
 """
 
 from __future__ import annotations
@@ -14,16 +20,28 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from itertools import chain
+from dataclasses import dataclass
+from itertools import chain, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
 
 from ...catalog.model import Chunk, Encoding, Entry, Record
 from ...decoding.bounded_repr import bounded_repr
+from ...decoding.dcp_scan import (
+    ChunkRun,
+    ColumnClasses,
+    ScanDeclined,
+    ScanResult,
+    StorageRun,
+    scan_dcp_metadata,
+)
 from ...decoding.pickle_limits import METADATA_LIMITS
 from ...decoding.unpickler import COMMON_GLOBALS, paused_gc, safe_loads, unsealed
 from ...dtypes import DType
 from ...errors import (
+    CheckpointError,
     CorruptRecordError,
     FormatError,
     MissingFileError,
@@ -34,6 +52,7 @@ from ...storage import Store
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "COLUMN_CLASSES",
     "DATA_FILE",
     "MEMORY_FORMAT_MEMBERS",
     "METADATA",
@@ -255,6 +274,9 @@ def _dcp_globals() -> dict[str, Any]:
 
 
 ALLOWED_GLOBALS = _dcp_globals()
+#: The stand-ins whose records :func:`~ckptkit.decoding.dcp_scan.scan_dcp_metadata` reads as
+#: columns.
+COLUMN_CLASSES = ColumnClasses(_ChunkStorageMetadata, _MetadataIndex, _StorageInfo)
 
 
 def metadata_files(storage: Store) -> list[tuple[str, int | None]]:
@@ -313,12 +335,16 @@ def read_dcp(
     *,
     extra_globals: Mapping[str, Any] | None = None,
     on_metadata: Callable[[str, _Metadata], None] | None = None,
+    decoder: Literal["auto", "scan", "unpickler"] = "auto",
 ) -> tuple[list[Entry], list[str], dict[str, Any]]:
     """The entries of the DCP at ``storage`` from its metadata alone, its data files, and its
     facts (``metadata_files``, ``version``, ``checkpoint_id``, ``save_id``). ``prefix`` is put
     before every file name (records, data and metadata files), for a DCP in a step directory.
     ``extra_globals`` widens :data:`ALLOWED_GLOBALS` for one format's own classes (Megatron's
-    ``MCoreMetadata``); ``on_metadata(name, metadata)`` sees each decoded metadata object."""
+    ``MCoreMetadata``); ``on_metadata(name, metadata)`` sees each decoded metadata object
+    (called once all are decoded when the scan read them). ``decoder``: ``"auto"`` scans and
+    falls back to the unpickler; ``"unpickler"`` only unpickles; ``"scan"`` raises
+    :class:`~ckptkit.decoding.dcp_scan.ScanDeclined` rather than fall back (tests)."""
     sources = metadata_files(storage)
     if not sources:
         raise MissingFileError(
@@ -326,15 +352,70 @@ def read_dcp(
             "there but the metadata is not (an interrupted save, or an incomplete copy)"
         )
     allow = {**ALLOWED_GLOBALS, **extra_globals} if extra_globals else ALLOWED_GLOBALS
-    union = _MetadataUnion(storage, prefix)
     with paused_gc(promote=True):  # ~1M objects at scale: see paused_gc
-        for name, rank in sources:
-            metadata = _load_metadata(storage, name, allow)
-            if on_metadata is not None:
-                on_metadata(name, metadata)
-            union.add(name, metadata, rank)
-            del metadata  # its index objects are garbage now: freed before the GC resumes
-        return union.entries(), list(union.files.values()), union.facts
+        if decoder != "unpickler":
+            try:
+                return _read_scanned(storage, prefix, sources, allow, on_metadata)
+            except ScanDeclined:
+                if decoder == "scan":
+                    raise
+        return _read_unpickled(storage, prefix, sources, allow, on_metadata)
+
+
+def _read_unpickled(
+    storage: Store,
+    prefix: str,
+    sources: list[tuple[str, int | None]],
+    allow: Mapping[str, Any],
+    on_metadata: Callable[[str, _Metadata], None] | None,
+) -> tuple[list[Entry], list[str], dict[str, Any]]:
+    """:func:`read_dcp` through the allowlisting unpickler (the reference decoder)."""
+    union = _MetadataUnion(storage, prefix)
+    for name, rank in sources:
+        metadata = _load_metadata(storage, name, allow)
+        if on_metadata is not None:
+            on_metadata(name, metadata)
+        union.add(name, metadata, rank)
+        del metadata  # its index objects are garbage now: freed before the GC resumes
+    return union.entries(), list(union.files.values()), union.facts
+
+
+def _read_scanned(
+    storage: Store,
+    prefix: str,
+    sources: list[tuple[str, int | None]],
+    allow: Mapping[str, Any],
+    on_metadata: Callable[[str, _Metadata], None] | None,
+) -> tuple[list[Entry], list[str], dict[str, Any]]:
+    """:func:`read_dcp` through the scan and the column join; raises ScanDeclined for
+    anything either does not handle exactly (a file that cannot be read raises as it would
+    for the unpickler)."""
+    union = _ColumnUnion(storage, prefix)
+    decoded = []
+    for name, rank in sources:
+        source = storage.describe(name)
+        with storage.open_sequential(name, max_bytes=METADATA_LIMITS.max_bytes) as stream:
+            data = [stream.read()]
+        try:
+            # handed over in lists, so that the pickle and then the columns go once used
+            scanned = [_scan(data, allow, source)]
+            decoded.append((name, union.add(name, scanned, rank)))
+        except ScanDeclined:
+            raise
+        except Exception as exc:  # columns the join did not foresee: the unpickler decides
+            raise ScanDeclined(f"{source}: {type(exc).__name__} joining columns") from exc
+    entries = union.entries()
+    if on_metadata is not None:
+        for name, metadata in decoded:
+            on_metadata(name, metadata)
+    return entries, list(union.files.values()), union.facts
+
+
+def _scan(data: list[bytes], allow: Mapping[str, Any], source: str) -> ScanResult:
+    """The scan of the pickle taken out of ``data``."""
+    return scan_dcp_metadata(
+        data.pop(), allow=allow, classes=COLUMN_CLASSES, limits=METADATA_LIMITS, source=source
+    )
 
 
 def _load_metadata(storage: Store, name: str, allow: Mapping[str, Any]) -> _Metadata:
@@ -372,12 +453,7 @@ class _MetadataUnion:
         self._close(tensor_chunks, metadata_rank, source)
 
     def _note_facts(self, name: str, metadata: _Metadata) -> None:
-        self.facts["metadata_files"] += (self.prefix + name,)
-        self.facts.setdefault("version", _text(metadata.get("version")))
-        storage_meta = metadata.get("storage_meta")
-        if isinstance(storage_meta, _StorageMeta) and "save_id" not in self.facts:
-            self.facts["checkpoint_id"] = _text(storage_meta.get("checkpoint_id"))
-            self.facts["save_id"] = _text(storage_meta.get("save_id"))
+        _note_facts(self.facts, self.prefix + name, metadata)
 
     def _declare(self, metadata: _Metadata, source: str) -> dict[str, list[Chunk]]:
         """Every key's path and kind (dtype, shape); this file's chunks of each tensor."""
@@ -388,14 +464,7 @@ class _MetadataUnion:
         for fqn, item in metadata.get("state_dict_metadata").items():
             if not isinstance(fqn, str):
                 raise FormatError(f"{source}: non-string key {bounded_repr(fqn)}")
-            path = planner_data.get(fqn)
-            if not (
-                isinstance(path, tuple | list)
-                and 0 < len(path) <= _MAX_PATH
-                and all(map(_is_part, path))
-            ):
-                path = (fqn,)
-            self.paths.setdefault(fqn, tuple(path))
+            self.paths.setdefault(fqn, _path_of(planner_data, fqn))
             if isinstance(item, _BytesStorageMetadata):
                 self._kind(fqn, ("object", None, None), source)
             elif isinstance(item, _TensorStorageMetadata):
@@ -547,6 +616,666 @@ class _MetadataUnion:
             kind, dtype, shape = self.kinds[fqn]
             out.append(Entry(fqn, self.paths[fqn], kind, tuple(chunks), dtype, shape))
         return out
+
+
+class _Declined(ScanDeclined):
+    """The column join leaves this metadata to the unpickled path (which says what is wrong,
+    or builds it in a way the columns cannot follow)."""
+
+
+@dataclass
+class _Tensor:
+    """One tensor's chunks declared by one metadata file, as columns (``(chunks, ndim)``)."""
+
+    fqn: str
+    dtype: DType
+    offsets: np.ndarray
+    sizes: np.ndarray
+
+
+@dataclass
+class _Records:
+    """A file's ``storage_data`` items in order, as columns; strings are codes into
+    ``strings`` (``transform``: into ``transforms``, -1 for None)."""
+
+    strings: list[str]
+    fqn: np.ndarray
+    index: np.ndarray
+    index_none: np.ndarray
+    offsets: np.ndarray
+    offsets_ndim: np.ndarray
+    file: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    transforms: list[str]
+    transform: np.ndarray
+
+
+class _ColumnUnion:
+    """:class:`_MetadataUnion` for scanned metadata: the same entries, computed on the scan's
+    columns, with records and chunks built once at the end. Whatever the unpickled path would
+    refuse, or builds in a way columns cannot follow (one object in two places), raises
+    :class:`~ckptkit.decoding.dcp_scan.ScanDeclined` instead, so that path runs and says."""
+
+    def __init__(self, storage: Store, prefix: str) -> None:
+        self.storage = storage
+        self.prefix = prefix
+        self.chunks: dict[str, list[Chunk]] = {}
+        self.kinds: dict[str, tuple[str, DType | None, tuple[int, ...] | None]] = {}
+        self.paths: dict[str, tuple[str | int, ...]] = {}
+        self.files: dict[str, str] = {}
+        self.facts: dict[str, Any] = {"metadata_files": ()}
+
+    def add(self, name: str, scanned: list[ScanResult], metadata_rank: int | None) -> _Metadata:
+        """Union the items of one scanned metadata file (``metadata_rank``: its rank), taking
+        the one scan out of ``scanned`` so that its columns go once copied; its metadata."""
+        scan = scanned.pop()
+        metadata = scan.value
+        if not isinstance(metadata, _Metadata) or not isinstance(
+            metadata.get("state_dict_metadata"), dict
+        ):
+            raise _Declined("not a DCP Metadata object")
+        _note_facts(self.facts, self.prefix + name, metadata)
+        tensors = self._declare(metadata, scan)
+        storage_data = metadata.get("storage_data") or {}
+        if not isinstance(storage_data, dict):
+            raise _Declined("storage_data is not a mapping")
+        handed = [_records(storage_data, scan), tensors]
+        del scan, tensors  # the columns go as soon as _attach is done with them
+        self._attach(handed, metadata_rank, self.storage.describe(name))
+        return metadata
+
+    def _declare(self, metadata: _Metadata, scanned: ScanResult) -> list[_Tensor]:
+        """Every key's path and kind; this file's tensors with their chunks as columns."""
+        planner_data = metadata.get("planner_data")
+        if not isinstance(planner_data, dict):
+            planner_data = {}
+        shared = _Shared(scanned.row_objects)
+        tensors = []
+        for fqn, item in metadata.get("state_dict_metadata").items():
+            if not isinstance(fqn, str):
+                raise _Declined("a non-string key")
+            self.paths.setdefault(fqn, _path_of(planner_data, fqn))
+            if isinstance(item, _BytesStorageMetadata):
+                self._kind(fqn, ("object", None, None))
+            elif isinstance(item, _TensorStorageMetadata):
+                tensors.append(self._tensor(fqn, item, scanned, shared))
+            else:
+                raise _Declined("unknown storage metadata")
+            self.chunks.setdefault(fqn, [])
+        return tensors
+
+    def _tensor(
+        self, fqn: str, item: _TensorStorageMetadata, scanned: ScanResult, shared: _Shared
+    ) -> _Tensor:
+        properties = item.get("properties")
+        dtype = properties.dtype if isinstance(properties, _TensorProperties) else None
+        shape = item.get("size")
+        if not isinstance(dtype, DType) or not _is_box(shape, None):
+            raise _Declined("a tensor without a dtype or size")
+        self._kind(fqn, ("tensor", dtype, shape))
+        chunks = item.get("chunks") or []
+        if type(chunks) is not list:
+            raise _Declined("malformed chunks")
+        shared.once(chunks)
+        ndim = len(shape)
+        offsets, sizes = [], []
+        columns = scanned.chunks
+        for chunk in chunks:
+            if type(chunk) is ChunkRun:
+                rows = slice(chunk.start, chunk.stop)
+                if (columns.offsets_ndim[rows] != ndim).any() or (
+                    columns.sizes_ndim[rows] != ndim
+                ).any():
+                    raise _Declined("a chunk box of another length than the tensor's")
+                offsets.append(columns.offsets[rows, :ndim])
+                sizes.append(columns.sizes[rows, :ndim])
+            elif type(chunk) is _ChunkStorageMetadata:
+                shared.once(chunk)
+                offsets.append(_box_row(chunk.offsets, ndim))
+                sizes.append(_box_row(chunk.sizes, ndim))
+            else:
+                raise _Declined("a malformed chunk")
+        tensor = _Tensor(fqn, dtype, _rows(offsets, ndim), _rows(sizes, ndim))
+        if (tensor.offsets < 0).any() or (tensor.sizes < 0).any():
+            raise _Declined("a negative chunk offset or size")
+        return tensor
+
+    def _attach(self, handed: list, metadata_rank: int | None, source: str) -> None:
+        """Every chunk (and object) its record, as :meth:`_MetadataUnion._attach` and
+        :meth:`_MetadataUnion._close` decide, then this file's chunks built. ``handed`` holds
+        the records and tensors (emptied here: they are let go once no longer needed)."""
+        records, tensors = handed
+        handed.clear()
+        ranks = self._note_files(records, metadata_rank, source)
+        strings = records.strings
+        codes = {text: code for code, text in enumerate(strings)}
+        counts = np.array([len(t.offsets) for t in tensors], np.int64)
+        bases = np.concatenate([[0], np.cumsum(counts)])
+        slot_of = np.full(len(strings) + 1, -1, np.int64)
+        for slot, tensor in enumerate(tensors):
+            code = codes.get(tensor.fqn)
+            if code is not None:
+                slot_of[code] = slot
+        slot = slot_of[records.fqn]
+        target = self._hinted(records, tensors, slot, bases, counts)
+        unhinted = np.flatnonzero(target < 0)
+        if len(unhinted):
+            target = self._unhinted(records, tensors, slot, bases, target, unhinted, ranks)
+        total = int(bases[-1])
+        record_of = np.full(total, -1, np.int32)
+        tensor_rows = np.flatnonzero(target >= 0)
+        if len(tensor_rows):  # a chunk named by several records keeps the last
+            last = len(tensor_rows) - 1 - np.unique(target[tensor_rows][::-1], return_index=True)[1]
+            record_of[target[tensor_rows][last]] = tensor_rows[last]
+        del target, slot, tensor_rows
+        handed.append(_Fields(records, ranks, self.prefix))
+        del records, ranks
+        handed.append(tensors)
+        del tensors
+        self._close(handed, bases, record_of, metadata_rank)
+
+    def _note_files(self, records: _Records, metadata_rank: int | None, source: str) -> np.ndarray:
+        """Each record's rank (-1: None), its file checked and noted in first-seen order."""
+        ranks = np.full(len(records.strings) + 1, -1, np.int64)
+        if not len(records.file):
+            return ranks[records.file]
+        codes, first = np.unique(records.file, return_index=True)
+        for at in np.argsort(first, kind="stable").tolist():
+            code, row = int(codes[at]), int(first[at])
+            file = records.strings[code]
+            try:
+                _check_file_name(self.storage, source, records.strings[records.fqn[row]], file)
+            except CheckpointError:
+                raise _Declined("a record names a file outside the checkpoint") from None
+            rank = _rank(file, metadata_rank)
+            ranks[code] = -1 if rank is None else rank
+            self.files.setdefault(file, self.prefix + file)
+        return ranks[records.file]
+
+    @staticmethod
+    def _hinted(
+        records: _Records,
+        tensors: list[_Tensor],
+        slot: np.ndarray,
+        bases: np.ndarray,
+        counts: np.ndarray,
+    ) -> np.ndarray:
+        """The chunk each record's index hint names when its offsets match (-1: none)."""
+        target = np.full(len(slot), -1, np.int64)
+        if not tensors:
+            return target
+        ndims = np.array([t.offsets.shape[1] for t in tensors], np.int64)
+        width = max(int(ndims.max()), records.offsets.shape[1])
+        offsets = np.zeros((int(bases[-1]), width), np.int64)
+        for tensor, base in zip(tensors, bases.tolist(), strict=False):
+            offsets[base : base + len(tensor.offsets), : tensor.offsets.shape[1]] = tensor.offsets
+        theirs = np.zeros((len(slot), width), np.int64)
+        theirs[:, : records.offsets.shape[1]] = records.offsets
+        known = slot >= 0
+        position = records.index
+        hinted = (
+            known
+            & ~records.index_none
+            & (position >= 0)
+            & (position < np.where(known, counts[slot], 0))
+        )
+        hinted &= records.offsets_ndim == np.where(known, ndims[slot], -2)
+        rows = np.flatnonzero(hinted)
+        chunk = bases[slot[rows]] + position[rows]
+        same = (offsets[chunk] == theirs[rows]).all(axis=1)
+        target[rows[same]] = chunk[same]
+        return target
+
+    def _unhinted(
+        self,
+        records: _Records,
+        tensors: list[_Tensor],
+        slot: np.ndarray,
+        bases: np.ndarray,
+        target: np.ndarray,
+        rows: np.ndarray,
+        ranks: np.ndarray,
+    ) -> np.ndarray:
+        """Records whose hint did not name their chunk: objects (no offsets), and tensor
+        records looked up by their offsets (the last chunk with those offsets)."""
+        by_offsets: dict[int, dict[tuple[int, ...], int]] = {}
+        for row in rows.tolist():
+            fqn = records.strings[records.fqn[row]]
+            ndim = int(records.offsets_ndim[row])
+            if ndim < 0:  # offset None: an object's record
+                if self.kinds.get(fqn, ("",))[0] != "object":
+                    raise _Declined("a storage record for an unknown object")
+                rank = int(ranks[row])
+                chunk = Chunk(
+                    (), (), _record(records, row, self.prefix), None if rank < 0 else rank
+                )
+                self.chunks[fqn].append(chunk)
+                continue
+            at = int(slot[row])
+            if at < 0:
+                raise _Declined("a storage record for an unknown tensor")
+            tensor = tensors[at]
+            if at not in by_offsets:
+                by_offsets[at] = {tuple(o): i for i, o in enumerate(tensor.offsets.tolist())}
+            offsets = tuple(records.offsets[row, :ndim].tolist())
+            found = by_offsets[at].get(offsets) if ndim == tensor.offsets.shape[1] else None
+            if found is None or min(offsets, default=0) < 0:
+                raise _Declined("a storage record for no chunk")
+            target[row] = bases[at] + found
+        return target
+
+    def _close(
+        self,
+        handed: list,
+        bases: np.ndarray,
+        record_of: np.ndarray,
+        metadata_rank: int | None,
+    ) -> None:
+        """Refuse what :meth:`_MetadataUnion._close` refuses, then build this file's chunks
+        (``handed``: the records' fields and the tensors, let go as they are built)."""
+        fields, tensors = handed
+        handed.clear()
+        for tensor, base in zip(tensors, bases.tolist(), strict=False):
+            missing = record_of[base : base + len(tensor.offsets)] < 0
+            if missing.any() and (tensor.sizes[missing] > 0).all(axis=1).any():
+                raise _Declined("a chunk with elements has no storage record")
+        for fqn, (kind, _, _) in self.kinds.items():
+            if kind == "object" and not self.chunks[fqn]:
+                raise _Declined("an object has no storage record")
+        fqns = [t.fqn for t in tensors]
+        built = _built_chunks(fields, tensors, record_of, metadata_rank)
+        for fqn, base, stop in zip(fqns, bases.tolist(), bases[1:].tolist(), strict=False):
+            self.chunks[fqn].extend(built[base:stop])
+
+    def _kind(self, fqn: str, kind: tuple) -> None:
+        if self.kinds.setdefault(fqn, kind) != kind:
+            raise _Declined("a key described differently by another metadata file")
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for fqn, chunks in self.chunks.items():
+            kind, dtype, shape = self.kinds[fqn]
+            out.append(Entry(fqn, self.paths[fqn], kind, tuple(chunks), dtype, shape))
+        return out
+
+
+class _Shared:
+    """Refuses (declines) an object met twice: a chunk list or chunk named from two places
+    (or also by a save plan) would be one object the unpickled path updates once for both."""
+
+    def __init__(self, objects: list[Any]) -> None:
+        self.seen = {id(o) for o in objects}
+        self.keep = list(objects)
+
+    def once(self, obj: Any) -> None:
+        if id(obj) in self.seen:
+            raise _Declined("one object in two places")
+        self.seen.add(id(obj))
+        self.keep.append(obj)
+
+
+def _box_row(box: Any, ndim: int) -> np.ndarray:
+    """A generic chunk's offsets or sizes as one row: a tuple of ``ndim`` ints (int64)."""
+    if type(box) is not tuple or len(box) != ndim or not all(type(v) is int for v in box):
+        raise _Declined("a chunk box that is not a tuple of the tensor's length")
+    try:
+        return np.array([box], np.int64).reshape(1, ndim)
+    except OverflowError:
+        raise _Declined("a chunk box beyond int64") from None
+
+
+def _rows(blocks: list[np.ndarray], ndim: int) -> np.ndarray:
+    return np.concatenate(blocks) if blocks else np.zeros((0, ndim), np.int64)
+
+
+def _records(storage_data: dict, scanned: ScanResult) -> _Records:
+    """``storage_data``'s items in order as columns: the scan's rows for its runs, the
+    generic items (the first of their kind, those a frame split) checked and added."""
+    strings = list(scanned.strings)
+    codes = {text: code for code, text in enumerate(strings)}
+    transforms: list[str] = []
+    transform_codes: dict[str, int] = {}
+    columns = scanned.storage
+    parts: list[dict[str, np.ndarray]] = []
+    loose: list[tuple] = []
+    seen: set[int] = set()
+
+    def code_of(text: str, table: list[str], index: dict[str, int]) -> int:
+        if text not in index:
+            index[text] = len(table)
+            table.append(text)
+        return index[text]
+
+    def flush() -> None:
+        if loose:
+            parts.append(_loose_columns(loose))
+            loose.clear()
+
+    def transform_of(descriptor_code: int) -> int:
+        if descriptor_code < 0:
+            return -1
+        return code_of(_transform(strings[descriptor_code]), transforms, transform_codes)
+
+    for key, info in storage_data.items():
+        if type(key) is StorageRun:
+            flush()
+            rows = slice(key.start, key.stop)
+            run_transforms = columns.transform[rows]
+            named = np.unique(run_transforms[run_transforms >= 0]).tolist()
+            mapping = {code: transform_of(code) for code in named}
+            parts.append(
+                {
+                    "fqn": columns.fqn[rows],
+                    "index": columns.index[rows],
+                    "index_none": columns.index_none[rows],
+                    "offsets": columns.offsets[rows],
+                    "offsets_ndim": columns.offsets_ndim[rows],
+                    "file": columns.file[rows],
+                    "offset": columns.offset[rows],
+                    "length": columns.length[rows],
+                    "transform": _recode(run_transforms, mapping),
+                }
+            )
+            continue
+        loose.append(
+            _loose_item(
+                key,
+                info,
+                seen,
+                lambda t: code_of(t, strings, codes),
+                lambda t: code_of(t, transforms, transform_codes),
+            )
+        )
+    flush()
+    joined = {k: _concat_rows([p[k] for p in parts]) for k in _RECORD_COLUMNS} if parts else {}
+    if not parts:
+        empty = np.zeros(0, np.int64)
+        joined = {k: empty for k in _RECORD_COLUMNS}
+        joined["index_none"] = np.zeros(0, bool)
+        joined["offsets"] = np.zeros((0, 0), np.int64)
+    if (joined["offset"] < 0).any() or (joined["length"] < 0).any():
+        raise _Declined("a negative record offset or length")
+    return _Records(strings=strings, transforms=transforms, **joined)
+
+
+_RECORD_COLUMNS = (
+    "fqn",
+    "index",
+    "index_none",
+    "offsets",
+    "offsets_ndim",
+    "file",
+    "offset",
+    "length",
+    "transform",
+)
+
+
+def _loose_item(
+    key: Any,
+    info: Any,
+    seen: set[int],
+    string_code: Callable[[str], int],
+    transform_code: Callable[[str], int],
+) -> tuple:
+    """One ``storage_data`` item the scan built as objects, checked as
+    :meth:`_MetadataUnion._attach` checks it, as a row."""
+    if type(key) is not _MetadataIndex or type(info) is not _StorageInfo:
+        raise _Declined("a malformed storage_data entry")
+    if id(info) in seen:
+        raise _Declined("one record for two keys")
+    seen.add(id(info))
+    fqn, file, index, offsets = key.fqn, info.file, key.index, key.offset
+    if not (
+        type(fqn) is str
+        and type(file) is str
+        and type(info.offset) is int
+        and type(info.length) is int
+        and (index is None or type(index) is int)
+        and (offsets is None or (type(offsets) is tuple and len(offsets) <= _MAX_NDIM))
+        and (offsets is None or all(type(v) is int for v in offsets))
+        and (info.transform is None or type(info.transform) is str)
+    ):
+        raise _Declined("a storage record not of plain strings and ints")
+    return (
+        string_code(fqn),
+        0 if index is None else index,
+        index is None,
+        offsets,
+        string_code(file),
+        info.offset,
+        info.length,
+        -1 if info.transform is None else transform_code(info.transform),
+    )
+
+
+def _loose_columns(rows: list[tuple]) -> dict[str, np.ndarray]:
+    fqn, index, index_none, offsets, file, offset, length, transform = zip(*rows, strict=True)
+    width = max((len(o) for o in offsets if o is not None), default=0)
+    matrix = np.zeros((len(rows), width), np.int64)
+    ndim = np.full(len(rows), -1, np.int8)
+    try:
+        for i, box in enumerate(offsets):
+            if box is not None:
+                matrix[i, : len(box)] = box
+                ndim[i] = len(box)
+        return {
+            "fqn": np.array(fqn, np.int32),
+            "index": np.array(index, np.int64),
+            "index_none": np.array(index_none, bool),
+            "offsets": matrix,
+            "offsets_ndim": ndim,
+            "file": np.array(file, np.int32),
+            "offset": np.array(offset, np.int64),
+            "length": np.array(length, np.int64),
+            "transform": np.array(transform, np.int32),
+        }
+    except OverflowError:
+        raise _Declined("a storage record beyond int64") from None
+
+
+def _concat_rows(blocks: list[np.ndarray]) -> np.ndarray:
+    if blocks[0].ndim == 2:
+        width = max(b.shape[1] for b in blocks)
+        blocks = [np.pad(b, ((0, 0), (0, width - b.shape[1]))) for b in blocks]
+    return np.concatenate(blocks)
+
+
+def _recode(codes: np.ndarray, mapping: dict[int, int]) -> np.ndarray:
+    """``codes`` through ``mapping`` (-1 stays -1)."""
+    out = np.full(len(codes), -1, np.int32)
+    for old, new in mapping.items():
+        out[codes == old] = new
+    return out
+
+
+def _record(records: _Records, row: int, prefix: str) -> _StorageInfo:
+    """The record of one row (an object's), as the unpickled path builds it."""
+    transform = int(records.transform[row])
+    return _StorageInfo(
+        prefix + records.strings[records.file[row]],
+        int(records.offset[row]),
+        int(records.length[row]),
+        Encoding.TORCH_SAVE,
+        None if transform < 0 else records.transforms[transform],
+    )
+
+
+class _Fields:
+    """What a record of a chunk still needs once records are matched to chunks: its file
+    (as the catalog names it), offset, length, transform and rank."""
+
+    def __init__(self, records: _Records, ranks: np.ndarray, prefix: str) -> None:
+        self.files = [prefix + f for f in records.strings]
+        self.transforms = [*records.transforms, None]  # code -1: None
+        self.file = records.file.astype(np.int32)
+        self.offset = records.offset
+        self.length = records.length
+        self.transform = records.transform.astype(np.int32)
+        self.rank = ranks.astype(np.int32)
+
+
+def _built_chunks(
+    fields: _Fields, tensors: list[_Tensor], record_of: np.ndarray, metadata_rank: int | None
+) -> list[_ChunkStorageMetadata]:
+    """This file's tensor chunks (in declaration order) with their records, built in batches
+    (the lists on the way stay small): boxes, file names and lengths shared; a record whose
+    length is its chunk's element bytes (and no transform) a safetensors blob
+    (``SerializationFormat.SAFETENSORS``). The tensors' columns are let go here. Values are
+    picked from object arrays (numpy's take beats a ``map`` of ``__getitem__``)."""
+    if not tensors:
+        return []
+    counts = [len(t.offsets) for t in tensors]
+    itemsize = np.repeat(np.array([t.dtype.itemsize for t in tensors], np.int64), counts)
+    nbytes = _nbytes(tensors, itemsize)
+    del itemsize
+    owner = np.repeat(np.arange(len(tensors), dtype=np.int32), counts)
+    fqns = _objects([t.fqn for t in tensors])
+    offsets, offset_boxes = _box_codes([t.offsets for t in tensors])
+    sizes, size_boxes = _box_codes([t.sizes for t in tensors])
+    tensors.clear()
+    lengths, length_values = _int_codes(fields.length)
+    offsets_in_file, offset_values = _int_codes(fields.offset)  # ranks lay out files alike
+    files = _objects(fields.files)
+    transforms = _objects(fields.transforms)  # code -1: None
+    encodings = _objects([Encoding.TORCH_SAVE, Encoding.SAFETENSORS])
+    ranks = _objects([*range(int(fields.rank.max(initial=-1)) + 1), None])  # -1: None
+    default_rank = -1 if metadata_rank is None else metadata_rank
+    out: list[_ChunkStorageMetadata] = []
+    for at in range(0, len(record_of), _BATCH):
+        rows = record_of[at : at + _BATCH]
+        has = np.flatnonzero(rows >= 0)
+        named = rows[has]
+        transform = fields.transform[named]
+        safetensors = (transform < 0) & (fields.length[named] == nbytes[at + has])
+        names = np.where(safetensors, fqns[owner[at + has]], None)
+        records = np.full(len(rows), None, object)  # chunks without elements have none
+        records[has] = list(
+            map(
+                _StorageInfo,
+                files[fields.file[named]].tolist(),
+                offset_values[offsets_in_file[named]].tolist(),
+                length_values[lengths[named]].tolist(),
+                encodings[safetensors.astype(np.int8)].tolist(),
+                transforms[transform].tolist(),
+                names.tolist(),
+            )
+        )
+        rank = np.full(len(rows), default_rank, np.int64)
+        rank[has] = fields.rank[named]
+        out.extend(
+            map(
+                _ChunkStorageMetadata,
+                offset_boxes[offsets[at : at + _BATCH]].tolist(),
+                size_boxes[sizes[at : at + _BATCH]].tolist(),
+                records.tolist(),
+                ranks[rank].tolist(),
+                repeat(False),
+            )
+        )
+    return out
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    """``values`` as a numpy object array (to pick from by code arrays)."""
+    array = np.empty(len(values), object)
+    array[:] = values
+    return array
+
+
+#: Chunks built per batch (bounds the lists built on the way).
+_BATCH = 1 << 15
+
+
+def _box_codes(blocks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``blocks`` (one per tensor, in order) as codes into a table of tuples (an
+    object array), one per distinct box (boxes repeat across tensors sharded alike)."""
+    bounds = np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).tolist()
+    codes = np.zeros(bounds[-1], np.int32)
+    table: list[tuple[int, ...]] = []
+    for ndim in sorted({b.shape[1] for b in blocks}):
+        picked = [i for i, b in enumerate(blocks) if b.shape[1] == ndim and len(b)]
+        if not picked:
+            continue
+        where = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in picked])
+        if ndim == 0:
+            codes[where] = len(table)
+            table.append(())
+            continue
+        unique, inverse = _unique_rows(np.concatenate([blocks[i] for i in picked]))
+        codes[where] = inverse + len(table)
+        table.extend(map(tuple, unique.tolist()))
+    return codes, _objects(table)
+
+
+def _int_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``values`` as codes into a table of Python ints (an object array), one object per
+    distinct value."""
+    unique, inverse = np.unique(values, return_inverse=True)
+    return inverse.reshape(-1).astype(np.int32), _objects(unique.tolist())
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a non-negative int64 matrix and each row's index among them:
+    rows packed into one int64 when their bits fit (sorting rows as records is slow)."""
+    bits = [max(int(column.max()).bit_length(), 1) for column in rows.T]
+    if sum(bits) > 62:
+        unique, inverse = np.unique(rows, axis=0, return_inverse=True)
+        return unique, inverse.reshape(-1)
+    key = np.zeros(len(rows), np.int64)
+    for column, width in zip(rows.T, bits, strict=True):
+        key = (key << width) | column
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return rows[first], inverse.reshape(-1)
+
+
+def _nbytes(tensors: list[_Tensor], itemsize: np.ndarray) -> np.ndarray:
+    """Element bytes of every chunk, exact (-1 beyond int64, where no record length can be);
+    boxes whose product might not fit int64 are multiplied as Python ints."""
+    parts = []
+    for tensor in tensors:
+        sizes = tensor.sizes
+        if sizes.shape[1] == 0:
+            parts.append(np.ones(len(sizes), np.int64))
+            continue
+        rough = np.prod(sizes.astype(np.float64), axis=1)
+        exact = np.prod(np.where(rough < 2.0**58, sizes.T, 0).T, axis=1)
+        large = np.flatnonzero(rough >= 2.0**58)
+        parts.append(exact)
+        for row in large.tolist():
+            exact[row] = _clip(math.prod(sizes[row].tolist()))
+    numel = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    fits = (numel >= 0) & (numel < (1 << 58))
+    out = np.where(fits, numel * itemsize, -1)
+    for row in np.flatnonzero(~fits & (numel >= 0)).tolist():
+        out[row] = _clip(int(numel[row]) * int(itemsize[row]))
+    return out
+
+
+def _clip(value: int) -> int:
+    """``value`` when it fits int64, else -1 (no record's length)."""
+    return value if value < (1 << 63) else -1
+
+
+def _note_facts(facts: dict[str, Any], name: str, metadata: _Metadata) -> None:
+    """The facts one metadata file adds: its name, the version, the storage_meta ids."""
+    facts["metadata_files"] += (name,)
+    facts.setdefault("version", _text(metadata.get("version")))
+    storage_meta = metadata.get("storage_meta")
+    if isinstance(storage_meta, _StorageMeta) and "save_id" not in facts:
+        facts["checkpoint_id"] = _text(storage_meta.get("checkpoint_id"))
+        facts["save_id"] = _text(storage_meta.get("save_id"))
+
+
+def _path_of(planner_data: dict, fqn: str) -> tuple[str | int, ...]:
+    """The nesting ``planner_data`` gives ``fqn``, when well-formed; else the key alone."""
+    path = planner_data.get(fqn)
+    if not (
+        isinstance(path, tuple | list) and 0 < len(path) <= _MAX_PATH and all(map(_is_part, path))
+    ):
+        path = (fqn,)
+    return tuple(path)
 
 
 def _check_file_name(storage: Store, source: str, fqn: str, name: str) -> None:
