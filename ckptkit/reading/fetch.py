@@ -70,14 +70,7 @@ class RecordFetcher:
         its storage and bookkeeping members: :class:`~ckptkit.decoding.record_layouts.Layout`) is decoded without parsing."""
         if not items:
             return []
-        records = [chunk.record for _, chunk in items]
-        self._load_safetensors_headers([r for r in records if r.encoding is Encoding.SAFETENSORS])
-        ranges = [
-            (r.file, r.offset, r.offset + r.length)
-            if r.encoding is not Encoding.SAFETENSORS
-            else self._byte_range(r)
-            for r in records
-        ]
+        ranges = self._ranges([chunk.record for _, chunk in items])
         blobs = self._fetch(ranges, items)
         verify = self.verify_crc
         layouts = self._layouts
@@ -121,6 +114,20 @@ class RecordFetcher:
             out.append(data)
         return out
 
+    def _ranges(self, records: list[Record]) -> list[tuple[str, int, int]]:
+        """The byte range each record's tensor lies in: the record itself, or inside a
+        safetensors blob (its header read first, once)."""
+        in_safetensors = [r for r in records if r.encoding is Encoding.SAFETENSORS]
+        if not in_safetensors:  # the common case
+            return [(r.file, r.offset, r.offset + r.length) for r in records]
+        self._load_safetensors_headers(in_safetensors)
+        return [
+            (r.file, r.offset, r.offset + r.length)
+            if r.encoding is not Encoding.SAFETENSORS
+            else self._byte_range(r)
+            for r in records
+        ]
+
     def _fetch(
         self, ranges: list[tuple[str, int, int]], items: list[tuple[Entry, Chunk]]
     ) -> list[bytes | memoryview]:
@@ -138,7 +145,10 @@ class RecordFetcher:
         except (CheckpointError, OverflowError, ValueError):
             return self.read_ranges(ranges, keys)
         out = [blobs[group][a:b] for group, a, b in pieces]
+        # every merged range read whole: every piece is whole (else look at each piece)
         if any(
+            len(blob) != end - start for blob, (_, start, end) in zip(blobs, merged, strict=True)
+        ) and any(
             len(piece) != end - start for piece, (_, start, end) in zip(out, ranges, strict=True)
         ):
             return self.read_ranges(ranges, keys)  # a file ends early: raise as one by one
@@ -154,16 +164,13 @@ class RecordFetcher:
         found: list[TensorData | None] = [None] * len(items)
         known = self._layouts.by_length
         groups: dict[int, list[int]] = {}
+        torch_save = Encoding.TORCH_SAVE
         for i, ((_, chunk), blob) in enumerate(zip(items, blobs, strict=True)):
-            record = chunk.record
-            if (
-                len(blob) in known
-                and len(blob) <= BULK_RECORD
-                and record.encoding is Encoding.TORCH_SAVE
-                and not record.transform
-                and record.crc32 is None
-            ):
-                groups.setdefault(len(blob), []).append(i)
+            length = len(blob)
+            if length in known and length <= BULK_RECORD:
+                record = chunk.record
+                if record.encoding is torch_save and not record.transform and record.crc32 is None:
+                    groups.setdefault(length, []).append(i)
         for length, indices in groups.items():
             if len(indices) < 2:
                 continue
@@ -172,9 +179,14 @@ class RecordFetcher:
             left = np.arange(len(indices))
             for layout in known[length]:
                 matched = layout.matching_rows(rows[left])
-                hits = left[matched].tolist()
+                hit_rows = left[matched]
+                hits = hit_rows.tolist()
                 bases = [j * length for j in hits]
-                self._fill(found, items, [indices[j] for j in hits], joined, bases, layout)
+                at = layout.crc_at  # the CRC-32s the records store, read in one go
+                stored = np.ascontiguousarray(rows[hit_rows, at : at + 4]).view("<u4").ravel()
+                self._fill(
+                    found, items, [indices[j] for j in hits], joined, bases, layout, stored.tolist()
+                )
                 left = left[~matched]
                 if not len(left):
                     break
@@ -188,20 +200,22 @@ class RecordFetcher:
         joined: bytes,
         bases: list[int],
         layout: Layout,
+        stored: list[int],
     ) -> None:
         """``found[i]`` for each record ``items[i]`` that ``layout`` matched, lying at
-        ``bases`` in ``joined``; left None when its CRC-32 or dtype disagrees."""
+        ``bases`` in ``joined`` and storing the CRC-32s ``stored``; left None when its
+        CRC-32 or dtype disagrees."""
         ref = layout.ref
         dtype, shape, stride, offset = ref.dtype, ref.shape, ref.stride, ref.storage_offset
         start, end = layout.storage
         view = memoryview(joined)
         verify = self.verify_crc
         crc = None
-        for i, base in zip(indices, bases, strict=True):
+        for i, base, stored_crc in zip(indices, bases, stored, strict=True):
             data = view[base + start : base + end]
             if verify:
                 crc = crc32(data)
-                if crc != layout.stored_crc(joined, base):
+                if crc != stored_crc:
                     continue
             entry_dtype = items[i][0].dtype
             if dtype is not entry_dtype and dtype != entry_dtype:

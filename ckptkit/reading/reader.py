@@ -201,15 +201,22 @@ class Reader(ObjectReader):
             self._ready = {}
         batch = [entry]
         size = count = 0
+        ready, taken = self._ready, self._taken
         for candidate in self._ahead[at + 1 : at + BATCH_CHUNKS]:
-            if candidate.key in self._ready or candidate.key in self._taken:
+            key = candidate.key
+            if key in ready or key in taken:
                 continue
-            held = [c.record.length for c in candidate.chunks if c.record is not None]
-            if size + sum(held) > AHEAD_BYTES or count + len(held) > BATCH_CHUNKS:
+            held = held_count = 0
+            for chunk in candidate.chunks:
+                record = chunk.record
+                if record is not None:
+                    held += record.length
+                    held_count += 1
+            if size + held > AHEAD_BYTES or count + held_count > BATCH_CHUNKS:
                 break
             batch.append(candidate)
-            size += sum(held) + candidate.nbytes
-            count += len(held)
+            size += held + candidate.nbytes
+            count += held_count
         try:
             # the cyclic GC paused: a batch makes thousands of small acyclic objects (freed by
             # reference counting), and every collection they would trigger walks the whole
@@ -240,11 +247,12 @@ class Reader(ObjectReader):
             spans.append((entry, start, len(items), in_rows))
         decoded_chunks = self._decode(items)
         out = {}
+        source = self._source
         for entry, start, end, in_rows in spans:
             pairs = zip(items[start:end], decoded_chunks[start:end], strict=True)
             if in_rows:
                 pieces = [
-                    chunk_bytes(chunk, data, entry, self._source(chunk.record.file))
+                    chunk_bytes(chunk, data, entry, source(chunk.record.file))
                     for (_, chunk), data in pairs
                 ]
                 joined = pieces[0] if len(pieces) == 1 else memoryview(b"".join(pieces))

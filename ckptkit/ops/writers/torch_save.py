@@ -7,11 +7,15 @@ What the pickle names is torch's and the checkpoint's, never ckptkit's: dtypes a
 written as torch pickles them, any other ckptkit class is refused. :func:`pickled_globals`
 pickles a value the same way into nothing and reports every global the bytes would name, so
 what is checked (the ``objects=`` policy, :data:`WEIGHTS_ONLY_GLOBALS`) is what is written.
+
+Longer than most: the zip writer, the pickler with its fast path for tensors (byte for byte
+what the generic one writes) and the globals check built on that same pickler belong together.
 """
 
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import math
 import pickle
@@ -29,7 +33,7 @@ from ...crc32 import crc32
 from ...decoding.known_objects import BENIGN_GLOBALS, Device, benign_placeholder
 from ...decoding.pickle_limits import OBJECT_LIMITS
 from ...decoding.records import TensorData
-from ...decoding.unpickler import Opaque
+from ...decoding.unpickler import Opaque, paused_gc
 from ...dtypes import DType
 from ...errors import MismatchError, PickleLimitError, UnsafePickleError, UsageError
 from ...reading import strided_view
@@ -58,8 +62,7 @@ class CheckedBytes(NamedTuple):
     crc32: int
 
 
-@dataclass(frozen=True)
-class _MemberInfo:
+class _MemberInfo(NamedTuple):  # a tuple: one per member, made fast
     name: bytes
     offset: int
     size: int
@@ -92,19 +95,31 @@ class StoredZipWriter:
         pad = -(offset + header_len + 4) % ALIGNMENT  # 4 = the padding field's own header
         extra += struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
         stored_size = _ZIP64_LIMIT if zip64 else size
-        header = struct.pack(
-            "<4sHHHHHIIIHH",
-            b"PK\x03\x04",
-            45 if zip64 else 20,
-            0,
-            0,
-            0,
-            0,
-            0,
-            stored_size,
-            stored_size,
-            len(full),
-            len(extra),
+        version = 45 if zip64 else 20
+        if size <= _SMALL_MEMBER:  # in memory already: CRC first, one write, no seek back
+            data, crc = _joined_member(name, size, chunks)
+            self.stream.write(
+                _LOCAL_HEADER.pack(
+                    b"PK\x03\x04",
+                    version,
+                    0,
+                    0,
+                    0,
+                    0,
+                    crc,
+                    stored_size,
+                    stored_size,
+                    len(full),
+                    len(extra),
+                )  # fmt: skip
+                + full
+                + extra
+                + data
+            )
+            self.members.append(_MemberInfo(full, offset, size, crc))
+            return
+        header = _LOCAL_HEADER.pack(
+            b"PK\x03\x04", version, 0, 0, 0, 0, 0, stored_size, stored_size, len(full), len(extra)
         )
         self.stream.write(header + full + extra)
         crc, written = 0, 0
@@ -128,14 +143,14 @@ class StoredZipWriter:
     def close(self) -> None:
         """Write the central directory (and zip64 end records when any field overflows)."""
         cd_start = self.stream.tell() - self.start
+        entries: list[bytes] = []
         for m in self.members:
             zip64 = m.size >= _ZIP64_LIMIT or m.offset >= _ZIP64_LIMIT
             extra = struct.pack("<HHQQQ", 0x0001, 24, m.size, m.size, m.offset) if zip64 else b""
             size = _ZIP64_LIMIT if zip64 else m.size
             offset = _ZIP64_LIMIT if zip64 else m.offset
-            self.stream.write(
-                struct.pack(
-                    "<4sHHHHHHIIIHHHHHII",
+            entries.append(
+                _CENTRAL_HEADER.pack(
                     b"PK\x01\x02",
                     45,
                     45 if zip64 else 20,
@@ -153,10 +168,15 @@ class StoredZipWriter:
                     0,
                     0,
                     offset,
-                )
+                )  # fmt: skip
                 + m.name
                 + extra
             )
+            if len(entries) == _CENTRAL_BATCH:  # many members: a write per batch, not each
+                self.stream.write(b"".join(entries))
+                entries.clear()
+        if entries:
+            self.stream.write(b"".join(entries))
         cd_end = self.stream.tell() - self.start
         count, cd_size = len(self.members), cd_end - cd_start
         if count >= 0xFFFF or cd_start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
@@ -176,6 +196,29 @@ class StoredZipWriter:
         )
 
 
+#: A zip member's local header (its CRC-32 at byte 14).
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+#: A central directory entry's fixed part, and how many entries are written at once.
+_CENTRAL_HEADER = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_CENTRAL_BATCH = 4096
+#: Members up to this size are joined in memory and written with their CRC-32 in one write
+#: (small tensors' pieces are in memory already); larger ones stream, their CRC patched after.
+_SMALL_MEMBER = 1 << 20
+
+
+def _joined_member(
+    name: str, size: int, chunks: Iterable[bytes | memoryview | CheckedBytes]
+) -> tuple[bytes | memoryview, int]:
+    """A small member's pieces as one buffer, and its CRC-32 (refusing a size other than
+    announced, as the streaming path does)."""
+    pieces = [chunk.data if isinstance(chunk, CheckedBytes) else chunk for chunk in chunks]
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    written = len(data)
+    if written != size:
+        raise MismatchError(f"member {name!r}: {written} bytes written, {size} announced")
+    return data, crc32(data)
+
+
 @dataclass(eq=False)
 class TensorSlot:
     """A tensor in the pickled structure whose bytes are written later, as storage ``key``."""
@@ -188,6 +231,38 @@ class TensorSlot:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def _int_opcodes(value: int) -> bytes:
+    """What ``save_long(value)`` writes at protocol 2."""
+    buf = io.BytesIO()
+    pickle._Pickler(buf, protocol=2).save_long(value)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_opcodes(shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """The opcodes of the shape's and its contiguous strides' tuples of ints, as
+    ``save_tuple`` writes them before memoizing them."""
+    return _ints_opcodes(shape), _ints_opcodes(_contiguous_strides(shape))
+
+
+def _put_opcode(index: int) -> bytes:
+    """What ``memoize`` writes at protocol 2 for memo entry ``index``."""
+    if index < 256:
+        return pickle.BINPUT + bytes((index,))
+    return pickle.LONG_BINPUT + struct.pack("<I", index)
+
+
+def _ints_opcodes(values: tuple[int, ...]) -> bytes:
+    if not values:
+        return pickle.EMPTY_TUPLE
+    short = len(values) <= 3
+    ops = b"".join(map(_int_opcodes, values))
+    if short:
+        return ops + pickle._tuplesize2code[len(values)]
+    return pickle.MARK + ops + pickle.TUPLE
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -211,7 +286,10 @@ def dumps(structure: Any) -> tuple[bytes, list[TensorSlot]]:
     """
     buf = io.BytesIO()
     slots: list[TensorSlot] = []
-    _TorchPickler(buf, slots).dump(structure)
+    # the cyclic GC paused: the memo grows by several small acyclic objects per tensor, and
+    # each collection they would trigger walks the whole catalog
+    with paused_gc():
+        _TorchPickler(buf, slots).dump(structure)
     return buf.getvalue(), slots
 
 
@@ -249,9 +327,13 @@ class _TorchPickler(pickle._Pickler):
     torch's (:class:`_Global`) and each placeholder's (replayed as the pickle that built it).
     ckptkit's dtypes and devices become torch's; any other class of ckptkit is refused."""
 
+    #: Whether every object saved must go through ``save`` (a pickler counting them).
+    counts_saves = False
+
     def __init__(self, stream: BinaryIO, slots: list[TensorSlot]) -> None:
         super().__init__(stream, protocol=2)
         self.slots = slots
+        self._refs: dict[int, bytes] = {}  # memo reference opcodes of objects save_slot names
         torch = sys.modules.get("torch")  # tensors can only be in memory if it is imported
         self.tensor_type = torch.Tensor if torch is not None else None
         if torch is not None:
@@ -277,6 +359,82 @@ class _TorchPickler(pickle._Pickler):
         return _replay(obj)
 
     def save_slot(self, slot: TensorSlot) -> None:
+        """``rebuild(storage, 0, shape, stride, False, OrderedDict()[, dtype])`` as the opcodes
+        ``save_reduce`` would write, byte for byte, in one write: globals and strings seen
+        before as memo references (their opcodes kept), the shape and stride opcodes cached per
+        shape (a pickle of many small tensors spent most of its time in the generic dispatch)."""
+        if self.counts_saves or self.fast:
+            self._save_slot_generic(slot)
+            return
+        if not slot.key:
+            slot.key = str(len(self.slots))
+            self.slots.append(slot)
+        parts: list[bytes] = []
+        ref = self._ref
+        memo = self.memo
+        untyped = slot.dtype.storage is None  # fp8, uint16…: untyped bytes plus the dtype
+        ref(parts, _REBUILD_V3 if untyped else _REBUILD_V2)
+        pid = self.persistent_id(_StorageId(slot))  # saved as save_tuple saves it
+        parts.append(pickle.MARK + pickle.MARK)
+        ref(parts, pid[0])
+        ref(parts, pid[1])
+        key = pid[2]
+        if type(key) is str and id(key) not in memo:  # a fresh key, as save_str writes it
+            encoded = key.encode("utf-8", "surrogatepass")
+            parts.append(pickle.BINUNICODE + struct.pack("<I", len(encoded)) + encoded)
+            parts.append(_put_opcode(len(memo)))
+            memo[id(key)] = len(memo), key
+        else:
+            self._ref(parts, key, remember=False)
+        ref(parts, pid[3])
+        parts.append(_int_opcodes(pid[4]) + pickle.TUPLE)
+        parts.append(_put_opcode(len(memo)))
+        memo[id(pid)] = len(memo), pid
+        parts.append(pickle.BINPERSID + pickle.BININT1 + b"\0")  # storage_offset 0
+        shape_ops, stride_ops = _shape_opcodes(slot.shape)
+        for ops in (shape_ops, stride_ops):
+            parts.append(ops)
+            if slot.shape:  # a fresh tuple, memoized (the empty tuple is not)
+                kept = object()
+                parts.append(_put_opcode(len(memo)))
+                memo[id(kept)] = len(memo), kept
+        parts.append(pickle.NEWFALSE)  # requires_grad
+        ref(parts, _ORDERED_DICT)
+        parts.append(pickle.EMPTY_TUPLE + pickle.REDUCE)  # backward hooks: OrderedDict()
+        kept = object()  # memo slots stand for objects save_reduce would memoize
+        parts.append(_put_opcode(len(memo)))
+        memo[id(kept)] = len(memo), kept
+        if untyped:
+            ref(parts, _DTYPES[slot.dtype.name])
+        kept = object()  # the arguments tuple
+        parts.append(pickle.TUPLE + _put_opcode(len(memo)))
+        memo[id(kept)] = len(memo), kept
+        parts.append(pickle.REDUCE + _put_opcode(len(memo)))
+        memo[id(slot)] = len(memo), slot
+        self.write(b"".join(parts))
+
+    def _ref(self, parts: list[bytes], obj: Any, *, remember: bool = True) -> None:
+        """``save(obj)`` into ``parts``: a memo reference when ``obj`` was saved before (its
+        opcode kept when ``remember``: the objects :meth:`save_slot` names every time), else
+        (``parts`` written first) the generic way."""
+        known = self._refs.get(id(obj))
+        if known is not None:
+            parts.append(known)
+            return
+        found = self.memo.get(id(obj))
+        if found is None:
+            self.write(b"".join(parts))
+            parts.clear()
+            self.save(obj)
+            found = self.memo.get(id(obj))
+            if found is None:
+                return
+        else:
+            parts.append(self.get(found[0]))
+        if remember:  # memo entries never change during a dump
+            self._refs[id(obj)] = self.get(found[0])
+
+    def _save_slot_generic(self, slot: TensorSlot) -> None:
         """``rebuild(storage, 0, shape, stride, False, OrderedDict()[, dtype])`` as the opcodes
         ``save_reduce`` would write, without its generic per-argument dispatch (half the time
         of a tensor-heavy pickle)."""
@@ -473,6 +631,8 @@ class _GlobalsPickler(_TorchPickler):
         self.harmful: set[str] = set()
         self.budget = budget
         self.save = self._counted_save
+
+    counts_saves = True
 
     def _counted_save(self, obj: Any, save_persistent_id: bool = True) -> None:
         self.budget -= 1
