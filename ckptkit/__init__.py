@@ -22,6 +22,7 @@ from .errors import (
     LocationNotFoundError,
     MismatchError,
     MissingCredentialsError,
+    MissingExtraError,
     MissingFileError,
     NotACheckpointError,
     OutputExistsError,
@@ -33,11 +34,13 @@ from .errors import (
     UnreachableStoreError,
     UnsafePathError,
     UnsafePickleError,
+    UnsupportedLayoutError,
     UsageError,
 )
 from .formats import Detection
 from .ops.convert import UnshardResult, convert, unshard
 from .ops.diff import diff
+from .ops.lora import MergeResult, UnsupportedAdapterError, merge_lora
 from .ops.sizes import compare_sizes
 from .ops.state_dict import LoadResult, from_checkpoint, load_state_dict
 from .ops.stats import fingerprint, stats
@@ -72,11 +75,16 @@ def browse(
     Example:
         >>> ckptkit.browse("ckpt/step_1000", compare_to="ckpt/step_2000")
     """
+    from .extras import require
+
+    for package in ("ipywidgets", "matplotlib"):
+        require(package, "ckptkit.browse()")
     from .views.browser import browse as _browse
 
     return _browse(source, compare_to=compare_to, storage_options=storage_options)
 
 
+#: The one place the version is written: the build backend reads it from here (pyproject.toml).
 __version__ = "0.1.0"
 
 __all__ = [
@@ -91,6 +99,7 @@ __all__ = [
     "LimitExceededError",
     "MismatchError",
     "MissingCredentialsError",
+    "MissingExtraError",
     "UnreachableStoreError",
     "OutputExistsError",
     "OutputNameError",
@@ -107,8 +116,11 @@ __all__ = [
     "LoadResult",
     "UnsafePathError",
     "UnsafePickleError",
+    "UnsupportedAdapterError",
+    "UnsupportedLayoutError",
     "UsageError",
     "UnshardResult",
+    "MergeResult",
     "Run",
     "browse",
     "compare_sizes",
@@ -120,6 +132,7 @@ __all__ = [
     "inspect_text",
     "fingerprint",
     "load_state_dict",
+    "merge_lora",
     "open",
     "run",
     "sizes_text",

@@ -175,6 +175,7 @@ class Checkpoint(Source):
             self._byte_account,
             warning=warning,
             skipped=self.catalog.facts.skipped_files,
+            notes=self.catalog.facts.notes,
         )
 
     @cached_property

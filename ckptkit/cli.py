@@ -1,16 +1,18 @@
-"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``, ``diff``, ``verify``,
-``sizes``, ``stats``.
+"""The ``ckptkit`` command line: ``inspect``, ``unshard``, ``convert``, ``merge-lora``, ``diff``,
+``verify``, ``sizes``, ``stats`` (and ``notebooks`` / ``notebook``, from
+:mod:`ckptkit.notebook_runs`).
 
 Exit status: 0 done (and, for ``diff`` / ``verify``, nothing found), 1 differences or damage
-found, 2 a usage error, something that is not a checkpoint or a store that cannot be reached
-or used (one line on stderr), 130 interrupted. Progress bars appear only on a terminal.
+found, 2 a usage error, something that is not a checkpoint, a checkpoint layout ckptkit does
+not read, or a store that cannot be reached or used (one line on stderr), 130 interrupted.
+Progress bars appear only on a terminal.
 ``inspect --json`` imports neither torch nor pandas, so it starts fast.
 
 The module reads top to bottom: the entry point, the parser (one builder per command and the
 argument groups they share), then one handler per command, each calling an operation and a
 renderer of :mod:`ckptkit.views`.
 
-Longer than most: seven commands' parsers and handlers; the renderers live in views/.
+Longer than most: eight commands' parsers and handlers; the renderers live in views/.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
+from . import __version__, notebook_runs
 from .checkpoint import open as open_checkpoint
 from .errors import CheckpointError, UsageError
 from .ops import distributed
@@ -101,12 +103,14 @@ def _parser() -> argparse.ArgumentParser:
         _add_inspect,
         _add_unshard,
         _add_convert,
+        _add_merge_lora,
         _add_diff,
         _add_sizes,
         _add_verify,
         _add_stats,
     ):
         add(commands)
+    notebook_runs.add_commands(commands, _command)
     return parser
 
 
@@ -171,6 +175,7 @@ def _add_unshard(commands) -> None:
         metavar="SIZE",
         help="split safetensors output into shards of at most SIZE, with a unit: 5GB, 500MiB",
     )
+    _add_names_argument(unshard)
     unshard.set_defaults(run=_unshard)
 
 
@@ -186,7 +191,54 @@ def _add_convert(commands) -> None:
     convert.add_argument(
         "--to", choices=["dcp", "torch", "safetensors"], required=True, help="output format"
     )
+    _add_names_argument(convert)
     convert.set_defaults(run=_convert)
+
+
+def _add_names_argument(parser: argparse.ArgumentParser) -> None:
+    """``--names``: one file per group, or transformers' file names for the model group."""
+    parser.add_argument(
+        "--names",
+        choices=["groups", "transformers"],
+        default="groups",
+        help="output names: one file per group (default), or 'transformers': the model group "
+        "alone as save_pretrained names it (model.safetensors, or model-0000i-of-0000n "
+        "shards + model.safetensors.index.json; --to safetensors), for from_pretrained",
+    )
+
+
+def _add_merge_lora(commands) -> None:
+    merge = _command(
+        commands,
+        "merge-lora",
+        "merge a PEFT LoRA adapter into its base model, as PEFT's merge_and_unload does",
+        "  ckptkit merge-lora Llama-3-8B/ my-lora/ merged/\n"
+        "  ckptkit merge-lora base/ adapter/ merged/ --dtype bf16 --max-shard-size 5GB",
+    )
+    merge.add_argument("base", help="the base checkpoint: path or fsspec URL")
+    merge.add_argument(
+        "adapter",
+        help="the folder PEFT's save_pretrained wrote (adapter_config.json + adapter_model.*)",
+    )
+    merge.add_argument("dst", help="output directory (path or fsspec URL)")
+    merge.add_argument(
+        "--to", choices=["safetensors", "torch"], default="safetensors", help="output format"
+    )
+    merge.add_argument(
+        "--dtype",
+        type=_dtype_name,
+        help="write floating tensors in this dtype (merged first in the base's own)",
+    )
+    merge.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        metavar="SIZE",
+        help="split safetensors output into shards of at most SIZE, with a unit: 5GB, 500MiB",
+    )
+    merge.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    _add_progress_arguments(merge)
+    _add_remote_arguments(merge)
+    merge.set_defaults(run=_merge_lora)
 
 
 def _add_diff(commands) -> None:
@@ -253,7 +305,8 @@ def _add_verify(commands) -> None:
     verify = _command(
         commands,
         "verify",
-        "read everything and report damage (exit 0: sound, 1: damage found, 2: not a checkpoint)",
+        "read everything and report damage (exit 0: sound, 1: damage found, 2: not a checkpoint "
+        "or an unsupported layout)",
         "  ckptkit verify run/step3\n  ckptkit verify s3://bucket/run/step3 --json",
     )
     verify.add_argument("path", help="checkpoint path or fsspec URL")
@@ -531,6 +584,7 @@ def _unshard(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         workers=args.workers,
         storage_options=_storage_options(args),
+        names=args.names,
     )
     print(unshard_text(result))
     return 0
@@ -550,6 +604,25 @@ def _convert(args: argparse.Namespace) -> int:
         objects=args.objects,
         exclude=args.exclude,
         workers=args.workers,
+        storage_options=_storage_options(args),
+        names=args.names,
+    )
+    print(unshard_text(result))
+    return 0
+
+
+def _merge_lora(args: argparse.Namespace) -> int:
+    from .ops.lora import merge_lora
+
+    result = merge_lora(
+        _opened(args, args.base),
+        args.adapter,
+        args.dst,
+        to=args.to,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=_progress(args),
         storage_options=_storage_options(args),
     )
     print(unshard_text(result))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import FormatError
+from .extras import require
 
 __all__ = [
     "DType",
@@ -101,6 +102,6 @@ def to_numpy(dt: DType) -> np.dtype:
 
 def to_torch(dt: DType):
     """The torch dtype object (imports torch)."""
-    import torch
+    torch = require("torch", f"the torch dtype {dt.name}")
 
     return getattr(torch, dt.name)

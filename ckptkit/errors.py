@@ -10,6 +10,7 @@ __all__ = [
     "FormatError",
     "MissingFileError",
     "NotACheckpointError",
+    "UnsupportedLayoutError",
     "LocationNotFoundError",
     "CorruptRecordError",
     "UnsafePickleError",
@@ -31,6 +32,7 @@ __all__ = [
     "DistributedError",
     "MissingCredentialsError",
     "UnreachableStoreError",
+    "MissingExtraError",
 ]
 
 
@@ -50,6 +52,12 @@ class NotACheckpointError(FormatError):
     """Nothing ckptkit recognises is at the location: it does not exist, holds no checkpoint,
     or is a file *of* one or a folder of several (the message names what to open). A usage
     problem, told apart from a damaged checkpoint (``verify`` raises it instead of reporting)."""
+
+
+class UnsupportedLayoutError(FormatError):
+    """The checkpoint is one ckptkit recognises, in a layout it does not read (the message names
+    it: e.g. DeepSpeed pipeline + tensor parallelism, MoE expert files, NVMe offload). Not
+    damage: ``verify`` raises it instead of reporting a problem (CLI exit status 2)."""
 
 
 class LocationNotFoundError(NotACheckpointError, MissingFileError):
@@ -159,3 +167,13 @@ class UnreachableStoreError(StorageError, NotACheckpointError):
 class MissingCredentialsError(AccessDeniedError, NotACheckpointError):
     """The store client found no usable credentials (none set, an unknown profile): nothing was
     asked of the store. Also a :class:`NotACheckpointError`, as :class:`UnreachableStoreError`."""
+
+
+class MissingExtraError(CheckpointError, ImportError):
+    """The call needs a package an extra of the distribution brings (torch, s3fs, matplotlib…)
+    and it is not installed; the message names the ``pip install 'torch-ckptkit[EXTRA]'`` line.
+    Also an ``ImportError``, as the failed import it stands for."""
+
+    def __init__(self, message: str, *, extra: str = "all", module: str | None = None) -> None:
+        super().__init__(message, name=module)
+        self.extra = extra

@@ -35,6 +35,7 @@ from .errors import (
     UnsafePathError,
     UsageError,
 )
+from .extras import require
 from .formats.pointers import MAX_STEP_DIRS, checkpoints_below
 from .ops.diff import diff
 from .ops.stats import COLUMNS, STAT_COLUMNS, select_tensors, tensor_rows
@@ -357,6 +358,7 @@ def _load_cache(path: Path | None) -> pd.DataFrame | None:
     and its rows are recomputed."""
     if path is None:
         return None
+    require("pyarrow", "Run.stats()'s statistics cache (cache=False needs none)")
     import pandas as pd
 
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tarfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,16 @@ import torch
 from oracle import raw_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def size_on_disk(location: str | Path, name: str) -> int:
+    """The size of a checkpoint's file ``name``: beside the file or under the folder
+    ``location``, or a member of the archive it names (a NeMo ``.nemo``), as tarfile reads it."""
+    location = Path(location)
+    if location.is_file() and tarfile.is_tarfile(location):
+        with tarfile.open(location) as tar:
+            return next(m.size for m in tar.getmembers() if m.name.removeprefix("./") == name)
+    return (location.parent if location.is_file() else location).joinpath(name).stat().st_size
 
 
 # --------------------------------------------------------------------------------------------
@@ -774,4 +785,195 @@ CASES += [
         "rank-files-verl-fsdp2", f"verl/global_step_{VERL_STEP}/actor", "verl_reference.pt"
     ),
     _library_case("rank-files-accelerate-fsdp2", "accelerate/ckpt", "accelerate_reference.pt"),
+]
+
+
+# NeMo (tests/fixtures/generators/nemo.py): ``.nemo`` archives read in place (the torch.save
+# layout against the state dict NeMo saved; the torch_dist layout, and NeMo 2's ``weights/``,
+# against the Megatron fixture's reference they were copied with, as for the Megatron cases).
+CASES += [
+    _fixture_case("fixture-nemo-asr", "nemo", "nemo_asr/model.nemo", "nemo_asr"),
+    Case(
+        "fixture-nemo-megatron-dist",
+        "nemo",
+        _fixture("nemo_megatron_dist/model.nemo"),
+        lambda ws, path: _megatron_stacked_oracle("nemo_megatron_dist"),
+    ),
+    Case(
+        "fixture-nemo2-gpt",
+        "nemo",
+        _fixture("nemo2_gpt/checkpoint"),
+        lambda ws, path: _megatron_stacked_oracle("nemo2_gpt"),
+    ),
+]
+
+
+# Megatron-LM legacy --ckpt-format torch (tests/fixtures/generators/megatron_legacy.py): TP (and
+# PP) rank files merged by Megatron's naming rules; the oracle is the TP=1, PP=1 model. Cases open
+# the iteration folder (file paths are relative to it); test_megatron_legacy opens the run folders.
+CASES += [
+    _fixture_case(
+        "fixture-megatron-legacy-tp2-ws2",
+        "megatron_legacy",
+        "megatron_legacy_tp2_ws2/run/iter_0000010",
+        "megatron_legacy_tp2_ws2",
+        groups={"model"},
+        note="TP=2 merged against the TP=1 model (GQA, TE names, untied)",
+    ),
+    _fixture_case(
+        "fixture-megatron-legacy-tp2-pp2-ws4",
+        "megatron_legacy",
+        "megatron_legacy_tp2_pp2_ws4/run/iter_0000010",
+        "megatron_legacy_tp2_pp2_ws4",
+        groups={"model"},
+        note="TP=2 x PP=2, legacy names, tied embeddings, against the TP=1, PP=1 model",
+    ),
+    _fixture_case(
+        "fixture-megatron-legacy-swiglu-tp2-ws2",
+        "megatron_legacy",
+        "megatron_legacy_swiglu_tp2_ws2/run/iter_0000010",
+        "megatron_legacy_swiglu_tp2_ws2",
+        groups={"model"},
+        note="SwiGLU fc1 halves interleaved by rank, bf16, against the TP=1 model",
+    ),
+]
+
+
+# DeepSpeed pipeline parallel (deepspeed 0.19.8, tests/fixtures/generators/deepspeed_pipe.py):
+# ``model.*`` (the layer files, PipelineModule.state_dict() names) against every stage's
+# ``engine.module.state_dict()`` after DeepSpeed's own load_checkpoint into a fresh engine,
+# ``optim.fp32.*`` / ``optim.state.*`` against that engine's full fp32 params and Adam moments.
+def deepspeed_pipe_oracle(item: str) -> Oracle:
+    """Every ``model`` and ``optim`` tensor of a DeepSpeed pipeline fixture, by ckptkit key
+    (a tied parameter's optimizer state from the first stage holding it; all stages agree)."""
+    reference = FIXTURES / item / "reference"
+    listed = json.loads((reference / "tensors.sha256.json").read_text())
+    tensors: dict[str, Sha] = {}
+    for key, spec in listed["reference/module_state_dict.pt"].items():
+        tensors[f"model.{key}"] = Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+    moments = json.loads((reference / "optim_reference.json").read_text())
+    step = hashlib.sha256(raw_bytes(torch.tensor(float(moments["adam_step"])))).hexdigest()
+    for name, by_stage in moments["params"].items():
+        stats = by_stage[min(by_stage, key=int)]
+        for stat, key in (
+            ("fp32", f"optim.fp32.{name}"),
+            ("exp_avg", f"optim.state.{name}.exp_avg"),
+            ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq"),
+        ):
+            spec = stats[stat]
+            tensors[key] = Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+        tensors[f"optim.state.{name}.step"] = Sha((), "float32", step)
+    return Oracle(tensors, frozenset({"model", "optim"}), "trainer state not hashed")
+
+
+CASES += [
+    Case(
+        "fixture-deepspeed-pipe-ws2",
+        "deepspeed_zero",
+        _fixture("deepspeed_pipe_ws2/checkpoint"),
+        lambda ws, path: deepspeed_pipe_oracle("deepspeed_pipe_ws2"),
+    ),
+    Case(  # the tag directory itself, without the run directory's ``latest``
+        "fixture-deepspeed-pipe-ws2-tag-dir",
+        "deepspeed_zero",
+        _fixture("deepspeed_pipe_ws2/checkpoint/global_step2"),
+        lambda ws, path: deepspeed_pipe_oracle("deepspeed_pipe_ws2"),
+    ),
+]
+
+
+# Trainer output layouts (tests/fixtures/generators/: accelerate_save_state.py, torchtitan_like.py,
+# lightning_ckpt.py, composer_like.py, hf_save_pretrained.py), against the library's own load;
+# where the layout keeps its model under another key (Lightning's ``state_dict``, Composer's
+# ``state.model``, HF's ``pytorch_model``, a flat-key DCP) the oracle lists the group ``model``.
+
+
+def _flat_sha_oracle(item: str) -> Oracle:
+    """A flat-key DCP's reference (``model.safetensors``: the model's own keys), by ckptkit key,
+    which is the stored key itself (no ``model.`` level in the checkpoint)."""
+    listed = json.loads((FIXTURES / item / "reference" / "tensors.sha256.json").read_text())
+    tensors = {
+        key: Sha(tuple(spec["shape"]), spec["dtype"], spec["sha256"])
+        for key, spec in listed["model.safetensors"].items()
+    }
+    return Oracle(tensors, frozenset({"model"}), "the model's own keys, one group model")
+
+
+_MODEL_ONLY = "the reference is the library's own load of the model; the rest is not hashed"
+
+CASES += [
+    _fixture_case(
+        "fixture-accelerate-fsdp2-sharded",
+        "accelerate",
+        "accelerate_fsdp2_sharded_ws2/checkpoint",
+        "accelerate_fsdp2_sharded_ws2",
+        groups={"model"},
+        note=_MODEL_ONLY,
+    ),
+    Case(
+        "fixture-torchtitan-flat-dcp",
+        "dcp",
+        _fixture("torchtitan_flat_dcp_ws2/step-20"),
+        lambda ws, path: _flat_sha_oracle("torchtitan_flat_dcp_ws2"),
+    ),
+    _fixture_case(
+        "fixture-lightning-ckpt",
+        "torch_save",
+        "lightning_ckpt/last.ckpt",
+        "lightning_ckpt",
+        groups={"model"},
+        note=_MODEL_ONLY,
+    ),
+    _fixture_case(
+        "fixture-composer-mono",
+        "torch_save",
+        "composer_mono/ep0-ba10-rank0.pt",
+        "composer_mono",
+        groups={"model"},
+        note=_MODEL_ONLY,
+    ),
+    _fixture_case(
+        "fixture-composer-sharded",
+        "dcp",
+        "composer_sharded_ws2/ep0-ba10",
+        "composer_sharded_ws2",
+        groups={"model"},
+        note=_MODEL_ONLY,
+    ),
+    _fixture_case(
+        "fixture-hf4-bin-sharded",
+        "torch_save",
+        "hf_save_pretrained_v4/bin_sharded",
+        "hf_save_pretrained_v4",
+        folder="bin_sharded",
+    ),
+    _fixture_case(
+        "fixture-hf4-safetensors-sharded",
+        "safetensors",
+        "hf_save_pretrained_v4/st_sharded",
+        "hf_save_pretrained_v4",
+        folder="st_sharded",
+    ),
+    _fixture_case(
+        "fixture-hf5-safetensors-sharded",
+        "safetensors",
+        "hf_save_pretrained_v5/st_sharded",
+        "hf_save_pretrained_v5",
+        folder="st_sharded",
+    ),
+]
+
+
+# NeMo tensor-parallel .nemo (tests/fixtures/generators/nemo.py, nemo_megatron_tp2): the TP=2 ranks
+# merged by Megatron's naming rules against the TP=1 tensors they were split from.
+CASES += [
+    Case(
+        "fixture-nemo-megatron-tp2",
+        "nemo",
+        _fixture("nemo_megatron_tp2/model.nemo"),
+        lambda ws, path: sha_oracle(
+            "nemo_megatron_tp2",
+            note="TP=2 ranks merged against the TP=1 model they were split from",
+        ),
+    ),
 ]

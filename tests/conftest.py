@@ -71,6 +71,7 @@ CATEGORIES: list[Category] = [
         "tests/test_notebooks.py::test_0*",
         "papermill: on a DCP, OLMo, OLMo-core, DeepSpeed, Megatron",
     ),
+    R("notebooks", "tests/test_notebook_runs.py::test_cli_runs_*", "papermill via the CLI"),
     # -- browser
     R("browser", "tests/test_browser.py::*", "Voila server + Chromium driven by Playwright"),
     # -- ranks: jobs the test starts
@@ -126,6 +127,7 @@ CATEGORIES: list[Category] = [
     R("slow", "tests/test_formats_deepspeed.py::test_cli_unshard_diff_verify*", "CLI"),
     R("slow", "tests/test_formats_megatron.py::test_cli_verify_diff_unshard", "CLI"),
     R("slow", "tests/test_remote.py::test_cli_storage_options_*", "CLI subprocesses, S3"),
+    R("slow", "tests/test_install.py::*", "builds the wheel, installs it in fresh virtualenvs"),
     # -- s3: the session's moto server (started on first use, about a second): in the fast lane
     R("s3", "*", "talks to the session's S3 server", fixture="s3"),
 ]

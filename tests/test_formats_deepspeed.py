@@ -62,7 +62,7 @@ def sha(tensor: torch.Tensor) -> str:
 
 
 def test_items_cover_every_fixture():
-    on_disk = {p.name for p in FIXTURES.iterdir() if p.name.startswith("deepspeed_")}
+    on_disk = {p.name for p in FIXTURES.iterdir() if p.name.startswith("deepspeed_zero")}
     assert on_disk == set(DEEPSPEED_ITEMS) == set(STAGES)
 
 
@@ -489,9 +489,9 @@ def test_stage3_flat_groups_shorter_than_param_shapes(tmp_path):
     ("rename", "expected"),
     [
         ("zero_pp_rank_1_mp_rank_01_optim_states.pt", "model-parallel rank 1"),
-        ("layer_01-model_00-model_states.pt", "pipeline-parallel or MoE"),
-        ("expp_rank_1_mp_rank_00_optim_states.pt", "pipeline-parallel or MoE"),
-        ("layer_0_expert_1_mp_rank_00_model_states.pt", "pipeline-parallel or MoE"),
+        ("layer_01-model_00-model_states.pt", "pipeline layer files lie beside it"),
+        ("expp_rank_1_mp_rank_00_optim_states.pt", r"MoE \(expert-parallel\)"),
+        ("layer_0_expert_1_mp_rank_00_model_states.pt", r"MoE \(expert-parallel\)"),
         ("offloaded_tensors/rank1.swp", "NVMe-offloaded"),
     ],
 )
@@ -510,9 +510,11 @@ def test_missing_rank_and_bad_latest(tmp_path):
     with pytest.raises(CheckpointError, match="rank"):
         ckptkit.open(str(copy))
     other = _copy("deepspeed_zero1_ws2", tmp_path)
-    (other / "latest").write_text("../../etc")
-    with pytest.raises(CheckpointError):
-        ckptkit.open(str(other))
+    (other / "latest").write_text("../../etc")  # never followed: a pointer, not a tag name
+    with pytest.raises(CheckpointError, match="does not name a tag directory"):
+        ckptkit.open(str(other), format="deepspeed_zero")
+    opened = ckptkit.open(str(other))  # the folder's only checkpoint, saying so
+    assert opened.url == str(other / TAG) and opened.catalog.facts.notes
     (other / "latest").write_text("global_step9")
     with pytest.raises(CheckpointError):
         ckptkit.open(str(other), format="deepspeed_zero")

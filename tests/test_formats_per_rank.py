@@ -19,7 +19,6 @@ from ckptkit.cli import main
 from ckptkit.errors import (
     CheckpointError,
     CoverageError,
-    NotACheckpointError,
     TensorsLeftAsObjectsError,
 )
 from ckptkit.formats import megatron_dist
@@ -159,19 +158,19 @@ def test_unshard_to_safetensors_is_bit_equal(root, layout, tmp_path):
 # The run folder around verl's checkpoint, and Megatron's tracker file.
 
 
-def test_verl_run_folder_is_a_folder_of_checkpoints_not_megatron(root, capsys):
+def test_verl_run_folder_opens_its_only_checkpoint_not_megatron(root, capsys):
+    """The run folder holds one checkpoint, ``global_step_7/actor``: it opens that, saying so."""
     top = root / "verl"
     assert (top / "latest_checkpointed_iteration.txt").exists()
     assert megatron_dist.detect(Storage(str(top))) is None
-    with pytest.raises(NotACheckpointError) as error:
-        ckptkit.open(str(top))
-    message = str(error.value)
-    assert f"a folder of 1 checkpoint(s), not one: global_step_{VERL_STEP}/actor" in message
-    assert "Megatron" not in message and "iter_" not in message
-    assert main(["inspect", str(top)]) == 2
-    assert (
-        f"ckptkit inspect {top / f'global_step_{VERL_STEP}' / 'actor'}" in capsys.readouterr().err
-    )
+    ckpt = ckptkit.open(str(top))
+    assert ckpt.format == "rank_files"
+    assert ckpt.url == str(top / f"global_step_{VERL_STEP}" / "actor")
+    note = f"opened global_step_{VERL_STEP}/actor/, the only checkpoint in {top}"
+    assert ckpt.catalog.facts.notes == (note,)
+    assert main(["inspect", str(top)]) == 0
+    out = capsys.readouterr().out
+    assert note in " ".join(out.split()) and "Megatron" not in out  # wrapped to the width
 
 
 def test_a_tracker_and_an_iteration_without_megatron_content_is_not_megatron(root, tmp_path):
@@ -180,8 +179,9 @@ def test_a_tracker_and_an_iteration_without_megatron_content_is_not_megatron(roo
     shutil.copytree(root / VERL, run / "iter_0000003")
     (run / "latest_checkpointed_iteration.txt").write_text("3\n")
     assert megatron_dist.detect(Storage(str(run))) is None
-    with pytest.raises(NotACheckpointError, match=r"a folder of 1 checkpoint\(s\).*iter_0000003"):
-        ckptkit.open(str(run))
+    ckpt = ckptkit.open(str(run))  # the one checkpoint below it, verl's rank files
+    assert ckpt.format == "rank_files"
+    assert ckpt.catalog.facts.notes == (f"opened iter_0000003/, the only checkpoint in {run}",)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,7 +20,10 @@ from import_graph import PACKAGE, cycles, graph, module_name
 #: The layers, lowest first: (name, module patterns). A module belongs to the first layer one of
 #: whose patterns it matches (``pkg`` is the package and everything in it).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "dtypes", "limits", "tunables", "units", "crc32", "progress")),
+    (
+        "foundation",
+        ("errors", "extras", "dtypes", "limits", "tunables", "units", "crc32", "progress"),
+    ),
     ("storage", ("storage",)),
     ("decoding", ("decoding",)),
     ("catalog", ("catalog",)),
@@ -28,12 +31,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("operations", ("ops",)),
     ("checkpoint", ("checkpoint",)),
     ("views", ("views",)),
-    ("faces", ("runs", "examples", "cli", "__main__", "")),
+    ("faces", ("runs", "examples", "notebook_runs", "cli", "__main__", "")),
 ]
 #: Modules outside ``ckptkit.storage`` allowed to open files themselves, and why.
 OPENS_FILES = {
     "ckptkit.examples": "writes the project's own sample checkpoints with torch (reads none)",
     "ckptkit.cli": "points stdout at os.devnull when the reader of a pipe went away",
+    "ckptkit.notebook_runs": "copies the notebooks it ships and writes a run's page (reads none)",
 }
 
 

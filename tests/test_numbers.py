@@ -25,7 +25,7 @@ from ckptkit.cli import main
 from ckptkit.ops.sizes import CATEGORIES
 from ckptkit.units import human_bytes, plural
 
-from conformance_cases import CASES, FIXTURES, MEGATRON_ITEMS, Case, Workspace
+from conformance_cases import CASES, FIXTURES, MEGATRON_ITEMS, Case, Workspace, size_on_disk
 
 #: Formats whose data files are whole torch.save zips (DCP ``.distcp`` files concatenate many).
 ZIP_FORMATS = {"torch_save", "rank_files", "deepspeed_zero", "olmo_local", "torchscript"}
@@ -52,18 +52,18 @@ def _root(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def _counted_on_disk(ckpt: ckptkit.Checkpoint, root: Path) -> dict[str, int]:
+def _counted_on_disk(ckpt: ckptkit.Checkpoint, location: Path) -> dict[str, int]:
     """Size on disk (``stat``) of every file the catalog read: data files, then metadata."""
     names = [*ckpt.catalog.files]
     names += [m for m in dict.fromkeys(ckpt.catalog.facts.metadata_files) if m not in names]
-    return {name: (root / name).stat().st_size for name in names}
+    return {name: size_on_disk(location, name) for name in names}
 
 
 @pytest.mark.parametrize("case", _params(CASES))
 def test_sizes_are_never_negative_and_add_up_to_the_files(case, subjects):
     subject = subjects[case]
     ckpt = subject.ckpt
-    on_disk = _counted_on_disk(ckpt, _root(subject.path))
+    on_disk = _counted_on_disk(ckpt, subject.path)
     row = ckptkit.compare_sizes(ckpt).iloc[0]
     assert (row["files"], row["size"]) == (len(on_disk), sum(on_disk.values()))
     assert row["overhead_bytes"] >= 0, row

@@ -250,27 +250,32 @@ def test_lightning_checkpoint_with_omegaconf_hparams_opens_and_decodes(lightning
 
 
 def test_lightning_checkpoint_unshards_losslessly(lightning_ckpt, tmp_path):
-    result = ckptkit.unshard(str(lightning_ckpt), str(tmp_path / "out"), progress=False)
-    (written,) = [f.name for f in result.files]
+    """Lightning's ``state_dict`` is the group ``model`` (``model.pt``), the rest of the
+    checkpoint its file's group (``last.pt``); put back together they are what Lightning saved,
+    and its own loader takes them."""
+    out = tmp_path / "out"
+    result = ckptkit.unshard(str(lightning_ckpt), str(out), progress=False)
+    assert sorted(f.name for f in result.files) == ["last.pt", "model.pt"]
     assert not any("hyper_parameters" in key for key in result.opaque)  # decoded: benign
     # optimizer state keys 0, 1… come back as "0", "1"…, as torch's dcp_to_torch_save gives
     # them, and the state dict without its ``_metadata`` attribute: compared by Lightning below
-    skip = ("optimizer_states", "state_dict")
-    same_file = loaded_same(lightning_ckpt, tmp_path / "out" / written, skip)
-    assert same_file["same"] and "hyper_parameters" in same_file["keys"]
-    # Lightning's own loader takes the output, hyperparameters as the DictConfig they were
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(TESTS)!r})
 import test_objects as t
 from omegaconf import DictConfig
-model = t.LitModel.load_from_checkpoint(
-    {str(tmp_path / "out" / written)!r}, weights_only=False
-)
+original = torch.load({str(lightning_ckpt)!r}, weights_only=False)
+joined = torch.load({str(out / "last.pt")!r}, weights_only=False)
+joined["state_dict"] = torch.load({str(out / "model.pt")!r}, weights_only=True)
+a, b = dict(original), dict(joined)
+for key in ("optimizer_states", "state_dict"):
+    del a[key], b[key]
+assert t.same(a, b) and "hyper_parameters" in b
+torch.save(joined, {str(tmp_path / "joined.ckpt")!r})
+model = t.LitModel.load_from_checkpoint({str(tmp_path / "joined.ckpt")!r}, weights_only=False)
 assert isinstance(model.hparams, DictConfig) or isinstance(model.hparams["model"], DictConfig)
 assert model.hparams["model"]["hidden"] == 4 and model.hparams["lr"] == 0.1
-original = torch.load({str(lightning_ckpt)!r}, weights_only=False)["state_dict"]
-assert all(torch.equal(model.state_dict()[k], v) for k, v in original.items())
+assert all(torch.equal(model.state_dict()[k], v) for k, v in original["state_dict"].items())
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

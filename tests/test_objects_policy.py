@@ -263,9 +263,11 @@ def test_lightning_checkpoint_with_a_payload_in_its_hparams_metadata(
         ckptkit.unshard(src, str(tmp_path / "e"), objects="error", progress=False)
     dropped = ckptkit.unshard(src, str(tmp_path / "d"), objects="drop", progress=False)
     assert dropped.dropped == {key: f"holds {SYSTEM} (objects='drop')"}
-    (written,) = dropped.files
-    keys = load_in_subprocess(tmp_path / "d" / written.name)
-    assert "hyper_parameters" not in keys and "state_dict" in keys and not marker.exists()
+    # the model (Lightning's state_dict) is the group model, in model.pt; the rest in edited.pt
+    assert sorted(f.name for f in dropped.files) == ["edited.pt", "model.pt"]
+    keys = load_in_subprocess(tmp_path / "d" / "edited.pt")
+    assert "hyper_parameters" not in keys and "optimizer_states" in keys
+    assert not marker.exists()
     kept = ckptkit.unshard(src, str(tmp_path / "k"), progress=False)
     assert kept.opaque == {key: [SYSTEM]} and SYSTEM in kept.unsafe_globals[key]
     assert not marker.exists()
@@ -279,7 +281,7 @@ def test_untouched_lightning_hparams_are_benign_but_not_weights_only(
     assert not result.opaque
     (key,) = [k for k in result.unsafe_globals if k.endswith(".hyper_parameters")]
     assert "omegaconf.dictconfig.DictConfig" in result.unsafe_globals[key]
-    (written,) = result.files
+    (written,) = [f for f in result.files if f.name != "model.pt"]  # the model: tensors only
     assert refused_by_weights_only(tmp_path / "out" / written.name)
 
 

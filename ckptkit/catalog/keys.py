@@ -1,5 +1,7 @@
 """Keys and paths: wrapper segments dropped and keys renamed for comparing checkpoints
-(:func:`map_key`), and the nested dict/list structure torch rebuilds from DCP paths (:func:`nest`)."""
+(:func:`map_key`), the nested dict/list structure torch rebuilds from DCP paths (:func:`nest`),
+and where a layout keeps its model's state dict (:func:`model_root`), which names the group
+``model`` whatever the top-level key is."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 from ..errors import LimitExceededError, OutputNameError
 
-__all__ = ["WRAPPERS", "KeyMap", "map_key", "nest"]
+__all__ = ["WRAPPERS", "MODEL_GROUP", "MODEL_ALIASES", "KeyMap", "map_key", "model_root", "nest"]
 
 #: Module-wrapper path segments that are never part of a parameter's identity.
 WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -94,3 +96,56 @@ def _clash(path: tuple, other: Any) -> OutputNameError:
 def _grow(items: list, index: int) -> None:
     if len(items) <= index:
         items.extend([None] * (index + 1 - len(items)))
+
+
+#: The group name users look for: what reports count parameters in, what ``groups=["model"]``
+#: selects, the stem of ``model.safetensors``.
+MODEL_GROUP = "model"
+#: Top-level keys that are a model's whole state dict under another name: HF's torch.save
+#: shards ``pytorch_model-0000i-of-0000n.bin`` (group ``pytorch_model``), diffusers' weights.
+MODEL_ALIASES = ("pytorch_model", "diffusion_pytorch_model")
+#: A key only Lightning's ``Trainer.save_checkpoint`` writes beside its ``state_dict``.
+_LIGHTNING_MARKER = "pytorch-lightning_version"
+#: Keys of Composer's ``State.state_dict()`` beside its ``model``: it is Composer's only when
+#: they are there too.
+_COMPOSER_MARKERS = ("rank_zero_seed", "run_name")
+
+
+def model_root(entries: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """The path prefix below which ``entries`` (a catalog's entries by key, untyped: this module
+    sits below :mod:`.model`) are the model's own state dict, when the layout puts it elsewhere
+    than under a top-level ``model`` key; None when nothing says so, or when a ``model`` group
+    exists already. The entries below it form the group ``model`` (see
+    :attr:`~ckptkit.catalog.model.Entry.group`), their keys unchanged:
+
+    * a DCP whose top-level keys are all leaves with dotted names (torchtitan's model-only
+      save: ``tok_embeddings.weight``, ``layers.0.attention.wq.weight``): ``()``, all of them;
+    * HF's ``pytorch_model`` (``.bin`` shards) and diffusers' ``diffusion_pytorch_model``:
+      ``("pytorch_model",)``;
+    * Lightning's ``.ckpt`` (``G.state_dict`` beside ``G.pytorch-lightning_version``):
+      ``(G, "state_dict")``;
+    * Composer's ``State.state_dict()`` (``state.model`` beside ``state.rank_zero_seed`` and
+      ``state.run_name``), at the top (sharded) or in a file's group ``G`` (monolithic):
+      ``("state", "model")`` or ``(G, "state", "model")``.
+
+    Two candidates (two Lightning files in one folder) name none: each keeps its own group.
+    Only the top-level keys and a few marker keys are looked at, so this stays cheap on
+    catalogs of 500k entries."""
+    tops: dict[str, bool] = {}  # top-level key → whether it is a leaf
+    for entry in entries.values():
+        top = entry.path[0]
+        if isinstance(top, str):
+            tops[top] = tops.get(top, True) and len(entry.path) == 1
+    if MODEL_GROUP in tops or not tops:
+        return None
+    if all(tops.values()):  # only top-level leaves
+        return () if any("." in top for top in tops) else None
+    found: list[tuple[str, ...]] = [(alias,) for alias in MODEL_ALIASES if alias in tops]
+    for top in tops:
+        if f"{top}.{_LIGHTNING_MARKER}" in entries:
+            found.append((top, "state_dict"))
+    for base in [(), *((top,) for top in tops)]:
+        state = ".".join((*base, "state"))
+        if all(f"{state}.{marker}" in entries for marker in _COMPOSER_MARKERS):
+            found.append((*base, "state", "model"))
+    return found[0] if len(found) == 1 else None

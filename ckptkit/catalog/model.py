@@ -6,6 +6,7 @@ reading, unsharding, diffing) consumes one and never needs to know the on-disk f
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import math
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 from ..dtypes import DType
 from ..errors import FormatError, TensorsLeftAsObjectsError
+from .keys import MODEL_GROUP, model_root
 
 __all__ = [
     "Encoding",
@@ -50,6 +52,9 @@ class Encoding(StrEnum):
     # the record's bytes are one bare pickle (e.g. held in a uint8 tensor), decoded with the object
     # allowlist; the value is the leaf at ``Record.name`` (a JSON list path, None = all of it)
     PICKLE_BYTES = "pickle_bytes"
+    # a JSON or YAML text file (its suffix says which), parsed without running anything; the
+    # value is the leaf at ``Record.name`` (a JSON list path)
+    DOCUMENT = "document"
 
 
 # Record and Chunk are plain (unfrozen) slotted classes so that an adapter may build them straight
@@ -90,7 +95,8 @@ def pickle_leaf(
     crc32: int | None = None,
 ) -> Record:
     """A record for the value at ``path`` inside the pickle these bytes hold (``PICKLE_LEAF``:
-    a torch.save ``data.pkl``; ``PICKLE_BYTES``: a bare pickle)."""
+    a torch.save ``data.pkl``; ``PICKLE_BYTES``: a bare pickle), or the document
+    (``DOCUMENT``: a JSON/YAML file)."""
     return Record(file, offset, length, encoding, name=json.dumps(list(path)), crc32=crc32)
 
 
@@ -101,7 +107,7 @@ def leaf_path(record: Record) -> list[str | int]:
 
 def shared(record: Record) -> bool:
     """True when the record is a whole pickle that other entries' leaves come from too."""
-    return record.encoding is Encoding.PICKLE_LEAF or (
+    return record.encoding in (Encoding.PICKLE_LEAF, Encoding.DOCUMENT) or (
         record.encoding is Encoding.PICKLE_BYTES and record.name is not None
     )
 
@@ -138,11 +144,26 @@ class Entry:
     #: objects only: the tensor class (``DTensor``, ``ShardedTensor``…) when the object is a
     #: tensor ckptkit left undecoded as an object (see :func:`tensors_left_as_objects`)
     tensor_class: str | None = None
+    #: how many leading path parts make up the ``model`` group, when the layout keeps its model
+    #: elsewhere than under a top-level ``model`` key (Lightning's ``("last", "state_dict")``: 2;
+    #: a flat-key DCP: 0); None: the group is the top-level key. Set by
+    #: :class:`CatalogBuilder` from :func:`~ckptkit.catalog.keys.model_root`.
+    model_depth: int | None = None
 
     @property
     def group(self) -> str:
-        """The top-level key (``model``, ``optim``, ``train``…)."""
+        """The group: ``model`` for the model's state dict wherever the layout keeps it
+        (:attr:`model_depth`), else the top-level key (``model``, ``optim``, ``train``…)."""
+        if self.model_depth is not None:
+            return MODEL_GROUP
         return str(self.path[0]) if self.path else self.key.split(".", 1)[0]
+
+    @property
+    def inner_path(self) -> tuple[str | int, ...]:
+        """The path inside the group, as its output file holds it (``model.safetensors`` key
+        ``embed.weight``); an entry that is its whole group keeps its last part."""
+        depth = 1 if self.model_depth is None else self.model_depth
+        return self.path[depth:] or self.path[-1:]
 
     @property
     def numel(self) -> int:
@@ -188,6 +209,9 @@ class Facts:
     layout: str | None = None
     #: ``"ShardedTensor"`` / ``"DTensor"`` for per-rank files.
     sharding: str | None = None
+    #: Lines on how the checkpoint was found that ``inspect`` shows first (the only checkpoint
+    #: in the folder the user named, opened).
+    notes: tuple[str, ...] = ()
     #: Per-rank files (``rank{N}.pt``, ``train/rank{N}.pt``) in rank order.
     rank_files: tuple[str, ...] = ()
     #: Files in the checkpoint folder that no entry comes from, with why: the adapter's own
@@ -343,18 +367,34 @@ class CatalogBuilder:
         self._files.update(dict.fromkeys(names))
 
     def build(self, facts: Facts = Facts()) -> Catalog:
-        """The checked, immutable catalog (files: those added, then those records name)."""
+        """The checked, immutable catalog (files: those added, then those records name), the
+        entries of a model kept under another key marked as group ``model``
+        (:func:`~ckptkit.catalog.keys.model_root`)."""
         files = dict(self._files)
         for entry in self.entries.values():
             _check_entry(entry, self.format)
             files.update((c.record.file, None) for c in entry.chunks if c.record is not None)
         return Catalog(
             self.format,
-            MappingProxyType(self.entries),
+            MappingProxyType(_with_model_group(self.entries)),
             tuple(files),
             facts,
             self.object_globals,
         )
+
+
+def _with_model_group(entries: dict[str, Entry]) -> dict[str, Entry]:
+    """``entries`` with :attr:`Entry.model_depth` set on those below the layout's model root
+    and cleared elsewhere (entries re-described by a composite format start afresh)."""
+    root = model_root(entries)
+    depth = len(root) if root is not None else None
+    for key, entry in entries.items():
+        wanted = depth if depth is not None and entry.path[:depth] == root else None
+        if wanted is not None and len(entry.path) <= wanted:
+            wanted = None  # the root itself as a leaf: not a state dict
+        if entry.model_depth != wanted:
+            entries[key] = dataclasses.replace(entry, model_depth=wanted)
+    return entries
 
 
 def _check_entry(entry: Entry, source: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import html
 import math
-import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
@@ -17,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..decoding.bounded_repr import bounded_repr
 from ..decoding.unpickler import paused_gc
 from ..units import human_bytes, plural
 from .accounting import ByteAccount, GroupBytes
@@ -40,10 +40,6 @@ __all__ = [
     "skipped_lines",
 ]
 
-_preview_repr = reprlib.Repr()
-_preview_repr.maxstring = 60
-_preview_repr.maxother = 60
-_preview_repr.maxlist = _preview_repr.maxtuple = _preview_repr.maxdict = _preview_repr.maxset = 8
 PREVIEW_CHARS = 100
 
 
@@ -174,8 +170,7 @@ def objects_table(catalog: Catalog, values: list[Any] | None) -> pd.DataFrame:
 
 def preview(value: Any) -> str:
     """A short, safe one-line rendering of a decoded object (never calls unknown code)."""
-    text = _preview_repr.repr(value)
-    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
+    return bounded_repr(value, items=8, chars=PREVIEW_CHARS)
 
 
 def _type_name(value: Any) -> str:
@@ -220,6 +215,8 @@ class Summary:
     #: files in the checkpoint folder that ckptkit does not read, with why
     #: (:attr:`~ckptkit.catalog.model.Facts.skipped_files`)
     skipped_files: Mapping[str, str] = field(default_factory=dict)
+    #: how the checkpoint was found (:attr:`~ckptkit.catalog.model.Facts.notes`)
+    found_notes: tuple[str, ...] = ()
 
     @property
     def ranked(self) -> bool:
@@ -254,9 +251,10 @@ class Summary:
 
     @property
     def notes(self) -> list[str]:
-        """Lines on what is not there or not read: missing files, then skipped ones."""
+        """Lines on how the checkpoint was found, then what is not there or not read: missing
+        files, then skipped ones."""
         missing = [missing_text(self.missing_files)] if self.missing_files else []
-        return missing + skipped_lines(self.skipped_files)
+        return [*self.found_notes, *missing, *skipped_lines(self.skipped_files)]
 
     def _repr_html_(self) -> str:
         parts = [f"<p><b>{html.escape(self.warning)}</b></p>"] if self.warning else []
@@ -344,12 +342,14 @@ def summarize(
     *,
     warning: str = "",
     skipped: Mapping[str, str] | None = None,
+    notes: Sequence[str] = (),
 ) -> Summary:
     """Aggregate the tables; parameters = elements of the ``model`` group (all tensors if none);
     files and bytes are ``account``'s (data and metadata files, each stored record once):
     ``by_group`` has each group's tensor ``nbytes`` (its elements) and the ``stored_bytes`` and
     ``object_bytes`` of the records it is first to view; ``objects`` may hold a row per record
-    (objects are counted by key). ``skipped``: the files not read, with why."""
+    (objects are counted by key). ``skipped``: the files not read, with why; ``notes``: how
+    the checkpoint was found."""
     by_group = (
         tensors.groupby("group", sort=False)
         .agg(tensors=("key", "size"), numel=("numel", "sum"), nbytes=("nbytes", "sum"))
@@ -380,7 +380,7 @@ def summarize(
         by_group, by_dtype, by_file, by_rank, parameters, account.size, counted,
         len(account.files), account.metadata_bytes, account.tensor_bytes, account.object_bytes,
         account.overhead_bytes, account.alternate_groups, warning, tuple(account.missing),
-        dict(skipped or {}),
+        dict(skipped or {}), tuple(notes),
     )  # fmt: skip
 
 

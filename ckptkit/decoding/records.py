@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import reprlib
 import struct
 import zlib
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes
+from ..crc32 import crc32
 from ..dtypes import DType
 from ..errors import (
     ChecksumError,
@@ -33,6 +33,7 @@ from ..errors import (
     MissingFileError,
 )
 from ..storage import Store
+from .bounded_repr import bounded_repr
 from .pickle_limits import RECORD_LIMITS
 from .unpickler import OBJECT_GLOBALS, TENSOR_GLOBALS, TensorRef, safe_loads
 
@@ -532,7 +533,7 @@ def undo_transform(buf: bytes, transform: str | None, source: str, *, limit: int
 
 def check_crc(data: bytes | memoryview, expected: int, source: str) -> None:
     """Raise :class:`ChecksumError` unless ``data``'s CRC-32 is ``expected``."""
-    actual = zlib.crc32(data)
+    actual = crc32(data)
     if actual != expected:
         raise ChecksumError(
             f"{source}: CRC-32 mismatch: stored {expected:08x}, the bytes give {actual:08x} "
@@ -611,7 +612,7 @@ def parse_safetensors_header(raw: bytes, source: str) -> SafetensorsHeader:
             offsets = spec["data_offsets"]
             begin, end = offsets
             if not (_json_size(begin) and _json_size(end)):
-                raise ValueError(f"data_offsets {reprlib.repr(offsets)} are not byte offsets")
+                raise ValueError(f"data_offsets {bounded_repr(offsets)} are not byte offsets")
         except (KeyError, TypeError, ValueError, FormatError) as exc:
             raise CorruptRecordError(f"{source}: bad safetensors entry {name!r}: {exc}") from exc
         tensors[name] = (dt, _safetensors_shape(shape, name, source), begin, end)
@@ -632,7 +633,7 @@ def _safetensors_shape(shape: Any, name: str, source: str) -> tuple[int, ...]:
     fractional or past int64) is a :class:`FormatError` naming the file and tensor."""
     if type(shape) is not list or not all(map(_json_size, shape)):
         raise FormatError(
-            f"{source}: safetensors tensor {name!r} has shape {reprlib.repr(shape)}: dimensions "
+            f"{source}: safetensors tensor {name!r} has shape {bounded_repr(shape)}: dimensions "
             "must be integers from 0 to 2**63-1"
         )
     return tuple(shape)

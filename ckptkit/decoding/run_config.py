@@ -14,7 +14,16 @@ from ..storage import Store
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["CONFIG_NAMES", "MAX_CONFIG_BYTES", "MAX_ROWS", "read_config", "flatten", "config_table"]
+__all__ = [
+    "CONFIG_NAMES",
+    "MAX_CONFIG_BYTES",
+    "MAX_ROWS",
+    "read_config",
+    "parse_document",
+    "flatten",
+    "leaves",
+    "config_table",
+]
 
 #: Looked for in the checkpoint's directory, in this order, when the format names none.
 CONFIG_NAMES = ("config.yaml", "config.json")
@@ -38,37 +47,54 @@ def read_config(storage: Store, name: str | None = None) -> Any:
         return None
     if size > MAX_CONFIG_BYTES:
         raise FormatError(f"{source}: {size} bytes is too large for a config file")
-    data = storage.read_file(name)
-    if posixpath.splitext(name)[1] in (".yaml", ".yml"):
-        import yaml
+    return parse_document(storage.read_file(name), name, source)
 
-        try:
-            return yaml.safe_load(data)
-        except yaml.YAMLError as exc:
-            raise CorruptRecordError(f"{source}: not valid YAML: {exc}") from exc
+
+def parse_document(data: bytes, name: str, source: str) -> Any:
+    """A JSON or YAML file's value (YAML when ``name`` ends in .yaml/.yml), parsed without
+    running anything (``yaml.safe_load``: no tags construct objects); at most
+    :data:`MAX_CONFIG_BYTES`."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise FormatError(f"{source}: {len(data)} bytes is too large for a config file")
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptRecordError(f"{source}: not valid JSON: {exc}") from exc
+        if posixpath.splitext(name)[1] in (".yaml", ".yml"):
+            import yaml
+
+            try:
+                return yaml.safe_load(data)
+            except yaml.YAMLError as exc:
+                raise CorruptRecordError(f"{source}: not valid YAML: {exc}") from exc
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CorruptRecordError(f"{source}: not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise CorruptRecordError(f"{source}: nested too deeply") from None
 
 
 def flatten(config: Any) -> list[tuple[str, Any]]:
     """``(dotted key, value)`` per leaf: dicts are walked, and lists that hold dicts (by index);
     other lists are one value."""
-    rows: list[tuple[str, Any]] = []
-    stack: list[tuple[str, Any]] = [("", config)]
+    return [(".".join(map(str, path)), value) for path, value in leaves(config)]
+
+
+def leaves(config: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, value)`` per leaf, as :func:`flatten` walks them; a path holds the mapping keys
+    and list indices that lead to the value (at most :data:`MAX_ROWS` leaves)."""
+    rows: list[tuple[tuple[Any, ...], Any]] = []
+    stack: list[tuple[tuple[Any, ...], Any]] = [((), config)]
     while stack:
-        prefix, value = stack.pop()
+        path, value = stack.pop()
         if isinstance(value, Mapping) and value:
-            items = [(str(k), v) for k, v in value.items()]
+            items = list(value.items())
         elif isinstance(value, list) and any(isinstance(v, Mapping) for v in value):
-            items = [(str(i), v) for i, v in enumerate(value)]
+            items = list(enumerate(value))
         else:
-            rows.append((prefix, value))
+            rows.append((path, value))
             if len(rows) > MAX_ROWS:
                 raise FormatError(f"config has more than {MAX_ROWS} values")
             continue
-        stack.extend((f"{prefix}.{k}" if prefix else k, v) for k, v in reversed(items))
+        stack.extend(((*path, k), v) for k, v in reversed(items))
     return rows
 
 

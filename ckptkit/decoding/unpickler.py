@@ -22,7 +22,6 @@ import gc
 import io
 import pathlib
 import pickle
-import reprlib
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -524,7 +523,7 @@ def _exception_text(exc: Exception) -> str:
     value (``KeyError(key)``) shows it through :func:`bounded_repr`, since its ``str`` would
     print the value whole."""
     if all(isinstance(arg, str | bytes | int | float | None) for arg in exc.args):
-        return reprlib.repr(str(exc))
+        return bounded_repr(str(exc))
     return bounded_repr(exc.args, chars=60)
 
 

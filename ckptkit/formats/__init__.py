@@ -5,6 +5,7 @@ each other: what several share lives in :mod:`.parts`."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 from ..catalog.model import Catalog
@@ -17,10 +18,13 @@ from ..errors import (
 )
 from ..storage import Store
 from . import (
+    accelerate,
     dcp,
     deepspeed_zero,
     hf_dcp_sharded,
     megatron_dist,
+    megatron_legacy,
+    nemo,
     olmo_core_v0,
     olmo_dcp,
     olmo_local,
@@ -37,7 +41,10 @@ from .unread_files import with_unread_files
 #: ``*.safetensors`` is safetensors even when ``model.pt`` sits next to them).
 ADAPTERS: dict[str, ModuleType] = {
     olmo_dcp.NAME: olmo_dcp,  # a step dir holds model_and_optim/.metadata: before dcp
+    # mp_rank_XX/model_optim_rng.pt; both read the iteration tracker: before megatron_dist
+    megatron_legacy.NAME: megatron_legacy,
     megatron_dist.NAME: megatron_dist,  # metadata.json beside .metadata: before dcp
+    accelerate.NAME: accelerate,  # DCP sub-folders beside scheduler.bin: before torch_save
     dcp.NAME: dcp,
     olmo_local.NAME: olmo_local,
     olmo_core_v0.NAME: olmo_core_v0,
@@ -46,6 +53,7 @@ ADAPTERS: dict[str, ModuleType] = {
     deepspeed_zero.NAME: deepspeed_zero,  # tag dirs hold torch.save zips: before rank_files
     rank_files.NAME: rank_files,  # rank{N}.pt are torch.save zips too: before torch_save
     torchscript.NAME: torchscript,  # TorchScript archives are torch zips too: before torch_save
+    nemo.NAME: nemo,  # .nemo tars, NeMo 2 weights/ + context/ folders
     torch_save.NAME: torch_save,
 }
 #: Earlier names of formats, still accepted by ``format=``.
@@ -73,6 +81,10 @@ def detect(storage: Store, format: str | None = None) -> Detection:
             raise exc.__cause__ from None
         raise LocationNotFoundError(f"{storage.describe()}: no such file or directory") from None
     steps = pointers.checkpoints_below(storage, entries, first_detection, nested=True)
+    if len(steps) == 1:
+        only = _only_checkpoint(storage, steps[0])
+        if only is not None:
+            return only
     if steps:
         shown = ", ".join(steps[:8]) + (" …" if len(steps) > 8 else "")
         raise NotACheckpointError(
@@ -88,8 +100,22 @@ def detect(storage: Store, format: str | None = None) -> Detection:
         f"*.safetensors.index.json, DeepSpeed ZeRO *_optim_states.pt (+ latest), "
         f"rank<N>.pt, <name>_rank<N>.pt|.bin of DTensors/ShardedTensors, torch.save files (*.pt, *.pth, *.bin, *.ckpt, "
         f"*.pth.tar, *.tar, *.jit; zip or pre-1.6), TorchScript archives (torch.jit.save: "
-        f"constants.pkl, code/); found {seen}"
+        f"constants.pkl, code/), *.nemo (uncompressed tar), NeMo 2 weights/ + context/, "
+        f"Accelerate pytorch_model_fsdp_<i>/ + optimizer_<i>/; "
+        f"found {seen}"
     )
+
+
+def _only_checkpoint(storage: Store, name: str) -> Detection | None:
+    """The detection of ``name``, the one checkpoint below the folder ``storage`` (NeMo 2's
+    ``weights/``, a run folder of one step), with a note saying it was opened in its stead."""
+    found = first_detection(storage.child(name))
+    if found is None:  # it went away since: the "a folder of 1 checkpoint" error says so
+        return None
+    note = f"opened {name}/, the only checkpoint in {storage.describe()}"
+    found.evidence.insert(0, note)
+    found.notes.append(note)
+    return found
 
 
 def first_detection(storage: Store) -> Detection | None:
@@ -106,8 +132,15 @@ def describe(detection: Detection) -> Catalog:
     of a local folder, with every file in it that it does not read in ``facts.skipped_files``."""
     adapter = ADAPTERS[detection.format]
     if detection.files is not None:
-        return adapter.describe(detection.storage, files=detection.files)
-    return with_unread_files(adapter.describe(detection.storage), detection.storage)
+        catalog = adapter.describe(detection.storage, files=detection.files)
+    else:
+        catalog = with_unread_files(adapter.describe(detection.storage), detection.storage)
+    if detection.notes:
+        notes = (*detection.notes, *catalog.facts.notes)
+        catalog = dataclasses.replace(
+            catalog, facts=dataclasses.replace(catalog.facts, notes=notes)
+        )
+    return catalog
 
 
 __all__ = ["ADAPTERS", "Detection", "detect", "describe"]

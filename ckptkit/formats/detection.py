@@ -22,6 +22,10 @@ class Detection:
     storage: Store
     evidence: list[str] = field(default_factory=list)
     files: list[str] | None = None
+    #: lines for the reader on how the checkpoint was found (the only checkpoint in the folder
+    #: the user named), also in ``evidence``; :func:`ckptkit.formats.describe` puts them in
+    #: the catalog's ``facts.notes``, which ``inspect`` shows first
+    notes: list[str] = field(default_factory=list)
 
 
 def file_location(storage: Store) -> tuple[Store, str] | None:

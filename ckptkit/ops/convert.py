@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .. import dtypes
 from ..catalog import output_names
+from ..catalog.keys import MODEL_GROUP
 from ..catalog.model import Entry, refuse_tensors_left_as_objects
 from ..decoding.bounded_repr import bounded_repr
 from ..dtypes import DType
@@ -38,9 +39,23 @@ from .writers import torch_save
 if TYPE_CHECKING:
     from .distributed import Ranks
 
-__all__ = ["ObjectPolicy", "Target", "UnshardResult", "WrittenFile", "convert", "unshard"]
+__all__ = [
+    "Names",
+    "ObjectPolicy",
+    "Target",
+    "UnshardResult",
+    "WrittenFile",
+    "convert",
+    "unshard",
+]
 
 Target = Literal["torch", "safetensors", "dcp"]
+#: How unshard/convert name their output files and keys: one file per group with keys relative
+#: to it (``groups``: ``model.safetensors``, ``optim.safetensors``…), or as transformers'
+#: ``save_pretrained`` does for the ``model`` group alone (``transformers``:
+#: ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``,
+#: which ``from_pretrained`` loads with the model's ``config.json`` beside them).
+Names = Literal["groups", "transformers"]
 #: What unshard/convert do with an object whose pickle names globals not known to be harmless
 #: (:data:`~ckptkit.decoding.known_objects.BENIGN_GLOBALS`), judged on the very pickle written:
 #: write it back as the pickle built it (``keep``), leave the entry out (``drop``) or refuse
@@ -144,6 +159,7 @@ def unshard(
     objects: ObjectPolicy | None = None,
     exclude: Sequence[str] | str | None = None,
     workers: int = 1,
+    names: Names = "groups",
 ) -> UnshardResult:
     """Write the checkpoint ``src`` unsharded into the directory ``dst``, one file per group.
 
@@ -151,7 +167,9 @@ def unshard(
     that group (nesting, objects included), streamed so ``torch.load(mmap=True)`` works.
     ``to="safetensors"``: ``<group>.safetensors`` with dotted keys relative to the group (HF
     ``-0000i-of-0000N`` shards + index with ``max_shard_size``); the group's non-tensor entries
-    go to ``<group>.objects.pt``. Objects whose pickle names globals not known to be harmless
+    go to ``<group>.objects.pt``. ``names="transformers"`` writes the ``model`` group alone as
+    ``save_pretrained`` does (its files, sharding, index and tensor order; tied tensors once),
+    so that ``from_pretrained`` loads ``dst`` once the model's ``config.json`` is copied there. Objects whose pickle names globals not known to be harmless
     (anywhere: classes, arguments, BUILD state, items) are written back as their pickle built
     them (``objects="keep"``, listed in the result's ``opaque``), left out (``"drop"``) or
     refused (``"error"``); nothing of them runs here. The result's ``unsafe_globals`` names what
@@ -179,6 +197,8 @@ def unshard(
             ``"keep"`` writes back as pickled.
         exclude: globs of keys left out.
         workers: threads writing output files at once.
+        names: ``"groups"`` (one file per group) or ``"transformers"`` (the ``model`` group
+            under transformers' file names, ``to="safetensors"`` only; see :data:`Names`).
 
     Returns:
         An :class:`UnshardResult`: the files written (name, bytes, tensors, objects), the
@@ -194,7 +214,7 @@ def unshard(
         raise UsageError(f"to must be 'torch' or 'safetensors', not {to!r}")
     options = _Options(
         keys=keys,
-        groups=groups,
+        groups=_named_groups(names, groups, to),
         exclude=exclude,
         objects=objects,
         dtype=dtype,
@@ -203,6 +223,7 @@ def unshard(
         workers=workers,
         storage_options=storage_options,
         progress=progress,
+        names=names,
     )
     return _transfer(src, dst, target=to, options=options)
 
@@ -220,6 +241,7 @@ def convert(
     objects: ObjectPolicy | None = None,
     exclude: Sequence[str] | str | None = None,
     workers: int = 1,
+    names: Names = "groups",
 ) -> UnshardResult:
     """Write ``src`` into ``dst`` as format ``to``.
 
@@ -241,6 +263,8 @@ def convert(
         exclude: globs of keys left out.
         workers: threads writing output files at once (a DCP output is one data file: one
             worker writes it).
+        names: ``"groups"``, or ``"transformers"`` with ``to="safetensors"`` (as for
+            :func:`unshard`).
 
     Returns:
         An :class:`UnshardResult` listing the files written and the objects kept or left out.
@@ -254,13 +278,14 @@ def convert(
         raise UsageError(f"to must be 'dcp', 'torch' or 'safetensors', not {to!r}")
     options = _Options(
         keys=keys,
-        groups=groups,
+        groups=_named_groups(names, groups, to),
         exclude=exclude,
         objects=objects,
         overwrite=overwrite,
         workers=workers,
         storage_options=storage_options,
         progress=progress,
+        names=names,
     )
     return _transfer(src, dst, target=to, options=options)
 
@@ -280,6 +305,30 @@ class _Options:
     workers: int = 1
     storage_options: dict | None = None
     progress: bool = True
+    names: Names = "groups"
+
+
+def _named_groups(
+    names: str, groups: Sequence[str] | str | None, to: str
+) -> Sequence[str] | str | None:
+    """The groups to select under ``names``: transformers' names are the ``model`` group's
+    own, written as safetensors; anything else is refused rather than silently dropped."""
+    if names not in ("groups", "transformers"):
+        raise UsageError(f"names must be 'groups' or 'transformers', not {names!r}")
+    if names == "groups":
+        return groups
+    if to != "safetensors":
+        raise UsageError(
+            f"names='transformers' writes safetensors (model.safetensors, its shards and "
+            f"index), not {to!r}: pass to='safetensors'"
+        )
+    asked = [groups] if isinstance(groups, str) else list(groups or [MODEL_GROUP])
+    if asked != [MODEL_GROUP]:
+        raise UsageError(
+            f"names='transformers' writes the {MODEL_GROUP!r} group alone (what from_pretrained "
+            f"loads), not groups={groups!r}"
+        )
+    return [MODEL_GROUP]
 
 
 def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options) -> UnshardResult:
@@ -296,6 +345,10 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     entries, values = _selected_values(source, options, result)
     if target == "dcp":
         tasks = [output_plans.dcp_task(entries, values)]
+    elif options.names == "transformers":
+        tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
+        for key, kept in tied.items():
+            result.dropped[key] = f"the same stored bytes as {kept!r} (tied): written once"
     else:
         tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
     names = [name for task in tasks for name in task.names]

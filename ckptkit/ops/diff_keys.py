@@ -103,10 +103,12 @@ def match_keys(
 
 
 def _selected(match: Match, patterns: list[str]) -> bool:
-    """Whether a glob names the match's key or an object holding it."""
+    """Whether a glob names the match's key, an object holding it, or either side's own key
+    (``last.state_dict.w``, which pairs as ``model.w``)."""
+    own = (item.key for item in (match.a, match.b) if item is not None)
     return any(
         fnmatch.fnmatchcase(name, pattern)
-        for name in (match.name, *match.owners)
+        for name in (match.name, *match.owners, *own)
         for pattern in patterns
     )
 
@@ -127,7 +129,7 @@ def _mapped(
     for entry in ckpt.catalog.entries.values():
         if entry.group in skipped:  # views of bytes other keys hold: compared there
             continue
-        name = map_key(entry.key, key_map)
+        name = map_key(_paired_key(entry), key_map)
         if name in out:
             clashes.setdefault(
                 name, f"{ckpt.url}: keys {out[name].key!r} and {entry.key!r} both map to {name!r}"
@@ -135,6 +137,15 @@ def _mapped(
             continue
         out[name] = entry
     return out, clashes
+
+
+def _paired_key(entry: Entry) -> str:
+    """The key ``entry`` pairs by: its own, or for a model a layout keeps under another key
+    (Lightning's ``last.state_dict.w``, a flat DCP's ``w``) the key unshard gives it in
+    ``model.safetensors`` (``model.w``), so a checkpoint lines up with its unsharded output."""
+    if entry.model_depth is None:
+        return entry.key
+    return ".".join(map(str, (entry.group, *entry.inner_path)))
 
 
 def _expanded(

@@ -16,9 +16,10 @@ from typing import Any
 
 from .. import dtypes
 from ..catalog import output_names
-from ..catalog.keys import nest
+from ..catalog.keys import MODEL_GROUP, nest
 from ..catalog.model import Chunk, Entry
 from ..dtypes import DType
+from ..extras import require
 from ..reading import Reader
 from ..storage import AtomicOutput
 from . import work
@@ -26,7 +27,15 @@ from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
 from .writers import torch_save
 
-__all__ = ["Copier", "Task", "WrittenFile", "dcp_task", "unsharded_tasks"]
+__all__ = [
+    "Copier",
+    "Task",
+    "WrittenFile",
+    "dcp_task",
+    "tied_entries",
+    "transformers_tasks",
+    "unsharded_tasks",
+]
 
 
 @dataclass
@@ -69,6 +78,48 @@ def unsharded_tasks(
     return [task for plan in plans for task in plan.tasks()]
 
 
+def transformers_tasks(
+    entries: list[Entry], values: dict[str, Any], limit: int | None, cast: DType | None
+) -> tuple[list[Task], dict[str, str]]:
+    """The tasks writing the ``model`` group's ``entries`` as transformers' ``save_pretrained``
+    does, so ``from_pretrained`` loads the folder with the model's ``config.json`` beside it:
+    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    past ``limit`` bytes, split as huggingface_hub splits a state dict, each file's tensors in
+    the safetensors library's order and its index in HF's layout, keys the model's own. Tied
+    tensors (the same stored bytes under two keys) are written once, as transformers does:
+    also returned, ``{left-out key: kept key}``."""
+    tied = tied_entries(entries)
+    kept = [e for e in entries if e.key not in tied]
+    plan = _plan_safetensors(MODEL_GROUP, kept, values, limit, cast, transformers=True)
+    output_names.check_distinct_files({plan.group: plan.names})
+    return plan.tasks(), tied
+
+
+def tied_entries(entries: list[Entry]) -> dict[str, str]:
+    """``{key: earlier key}`` for each tensor whose stored bytes are exactly an earlier
+    tensor's (same records, boxes, dtype and shape): a tied weight saved through one storage,
+    like GPT-2's ``lm_head.weight`` in a ``pytorch_model.bin``."""
+    first: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for entry in entries:
+        if entry.kind != "tensor" or not entry.chunks or entry.numel == 0:
+            continue
+        stored = (entry.dtype, entry.shape, *map(_stored_box, entry.chunks))
+        kept = first.setdefault(stored, entry.key)
+        if kept != entry.key:
+            tied[entry.key] = kept
+    return tied
+
+
+def _stored_box(chunk: Chunk) -> tuple:
+    record = chunk.record
+    where = None if record is None else (
+        record.file, record.offset, record.length, record.encoding, record.transform,
+        record.name, record.stride, record.storage_offset,
+    )  # fmt: skip
+    return chunk.offsets, chunk.sizes, chunk.flat, where
+
+
 def dcp_task(entries: list[Entry], values: dict[str, Any]) -> Task:
     """The one task writing ``entries`` as a DCP directory (data file + ``.metadata``)."""
     tensors = [e for e in entries if e.kind == "tensor"]
@@ -109,8 +160,16 @@ class Copier:
         self.reader, self.cast, self.bar, self.stop = reader, cast, bar, stop
 
     def __call__(self, entry: Entry) -> Iterator[memoryview]:
-        for piece in self.checked(entry):
-            yield piece.data if isinstance(piece, torch_save.CheckedBytes) else piece
+        """The pieces of :meth:`checked` without their CRC-32s (one generator, not two: a
+        small tensor is one piece, and the chain cost more than copying it)."""
+        target = _out_dtype(entry.dtype, self.cast)
+        stop, bar = self.stop, self.bar
+        for piece, _ in self.reader.iter_checked(entry):
+            stop.check()
+            if target != entry.dtype:
+                piece = _cast(piece, entry.dtype, target)
+            bar.update(len(piece))
+            yield piece
             piece = None  # not held while the reader fetches the next batch
 
     def checked(self, entry: Entry) -> Iterator[memoryview | torch_save.CheckedBytes]:
@@ -151,7 +210,7 @@ def _out_dtype(dt: DType, cast: DType | None) -> DType:
 
 
 def _cast(piece: memoryview, source: DType, target: DType) -> memoryview:
-    import torch
+    torch = require("torch", f"casting {source.name} tensors to {target.name}")
 
     if not len(piece):
         return piece
@@ -220,7 +279,9 @@ def _plan_torch(
 def _structure(
     entries: list[Entry], values: dict[str, Any], cast: DType | None
 ) -> tuple[Any, dict[int, Entry]]:
-    """The group's nested value with tensors as slots (filled later) and objects as pickled."""
+    """The group's nested value with tensors as slots (filled later) and objects as pickled;
+    each entry's path inside its group's file is :attr:`Entry.inner_path` (a group that is
+    itself a leaf: its own; the model's own keys for a model kept under another key)."""
     streamed: dict[int, Entry] = {}
     items = []
     for entry in entries:
@@ -229,32 +290,29 @@ def _structure(
         else:
             value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
             streamed[id(value)] = entry
-        items.append((_inner_path(entry), value))
+        items.append((entry.inner_path, value))
     nested = nest(items)
-    if len(entries) == 1 and len(entries[0].path) == 1:  # a group that is itself a leaf
-        nested = next(iter(nested.values()))
+    if len(entries) == 1 and len(entries[0].path) == 1 and entries[0].model_depth is None:
+        nested = next(iter(nested.values()))  # a group that is itself a leaf
     return nested, streamed
-
-
-def _inner_path(entry: Entry) -> tuple:
-    """The entry's path inside its group's file (a group that is itself a leaf: its own)."""
-    return entry.path[1:] if len(entry.path) > 1 else entry.path
 
 
 def _structure_paths(entries: list[Entry]) -> None:
     """Check that the group's paths nest without clashes (see :func:`state_dict.nest`)."""
-    nest((_inner_path(e), None) for e in entries)
+    nest([(e.inner_path, None) for e in entries])
 
 
 @dataclass
 class _SafetensorsPlan(_Plan):
     """A group as safetensors shards (one task each), their index when more than one, and the
-    ``<group>.objects.pt`` side file for its non-tensor entries."""
+    ``<group>.objects.pt`` side file for its non-tensor entries; ``transformers``: the index as
+    ``save_pretrained`` writes it (keys sorted, a final newline)."""
 
     group: str
     shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]]
     objects: list[Entry]
     values: dict[str, Any]
+    transformers: bool = False
 
     @property
     def stem(self) -> str:
@@ -321,30 +379,64 @@ class _SafetensorsPlan(_Plan):
             },
         }
         name = f"{self.stem}.safetensors.index.json"
-        data = json.dumps(index, indent=2).encode()
+        if self.transformers:
+            data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+        else:
+            data = json.dumps(index, indent=2).encode()
         with output.open(name) as stream:
             stream.write(data)
         return WrittenFile(name, len(data), 0, 0)
 
 
 def _plan_safetensors(
-    group: str, entries: list[Entry], values: dict[str, Any], limit: int | None, cast: DType | None
+    group: str,
+    entries: list[Entry],
+    values: dict[str, Any],
+    limit: int | None,
+    cast: DType | None,
+    *,
+    transformers: bool = False,
 ) -> _SafetensorsPlan:
     """The safetensors plan of ``group``: tensors in order, a new shard whenever the next would
-    take the current one past ``limit`` bytes."""
+    take the current one past ``limit`` bytes. With ``transformers``, as ``save_pretrained``
+    does: a tensor larger than ``limit`` gets a shard of its own (the current one goes on), and
+    each shard's tensors are in the order the safetensors library stores them."""
     shards: list[list[tuple[safetensors_writer.SafetensorsItem, Entry]]] = [[]]
     size = 0
     tensors = [e for e in entries if e.kind == "tensor"]
-    names = output_names.safetensors_names({e.key: _inner_path(e) for e in tensors})
+    names = output_names.safetensors_names({e.key: e.inner_path for e in tensors})
     objects = [e for e in entries if e.kind == "object"]
     _structure_paths(objects)
     for entry in tensors:
         item = safetensors_writer.SafetensorsItem(
             names[entry.key], _out_dtype(entry.dtype, cast), entry.shape
         )
+        if transformers and limit is not None and item.nbytes > limit:
+            shards.insert(len(shards) - 1, [(item, entry)])  # before the one filling up
+            continue
         if limit is not None and shards[-1] and size + item.nbytes > limit:
             shards.append([])
             size = 0
         shards[-1].append((item, entry))
         size += item.nbytes
-    return _SafetensorsPlan(group, shards, objects, values)
+    if transformers:
+        if not shards[-1] and len(shards) > 1:
+            shards.pop()  # the shard being filled when the last tensor went alone
+        shards = [sorted(shard, key=_library_order) for shard in shards]
+    return _SafetensorsPlan(group, shards, objects, values, transformers)
+
+
+#: The safetensors library's dtypes in its ``Dtype`` enum order: ``save_file`` stores a file's
+#: tensors by dtype, last of these first, then by name.
+_LIBRARY_DTYPES = (
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
+    "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+)  # fmt: skip
+
+
+def _library_order(pair: tuple[safetensors_writer.SafetensorsItem, Entry]) -> tuple:
+    """Where ``safetensors.torch.save_file`` puts a tensor in its file (dtype, then name)."""
+    item = pair[0]
+    code = item.dtype.safetensors
+    rank = _LIBRARY_DTYPES.index(code) if code in _LIBRARY_DTYPES else len(_LIBRARY_DTYPES)
+    return -rank, item.name

@@ -41,6 +41,7 @@ from ..errors import (
     TruncatedFileError,
     UnsafePathError,
     UnsafePickleError,
+    UnsupportedLayoutError,
 )
 from ..reading import Reader, check_coverage, strided_view
 from . import distributed, work
@@ -108,8 +109,9 @@ def verify(
     :meth:`ckptkit.Checkpoint.verify`); a checkpoint that cannot even be opened (missing
     ``.metadata``, a rank file missing from a set) is one problem row rather than an
     exception; a location that is not a checkpoint at all (a typo, a folder of steps) raises
-    :class:`~ckptkit.errors.NotACheckpointError`, so a CI job can tell a wrong path from
-    damage. Tensors are checked on ``workers`` threads, and spread over the ranks of an
+    :class:`~ckptkit.errors.NotACheckpointError`, and a checkpoint in a layout ckptkit does not
+    read (DeepSpeed pipeline + tensor parallelism…) :class:`~ckptkit.errors.UnsupportedLayoutError`,
+    so a CI job can tell a wrong path or an unsupported layout from damage. Tensors are checked on ``workers`` threads, and spread over the ranks of an
     initialised torch.distributed process group (every rank returns the whole table).
 
     Args:
@@ -130,8 +132,8 @@ def verify(
     """
     try:
         source = open_source(src, storage_options, verify_crc=crc)
-    except NotACheckpointError:
-        raise
+    except (NotACheckpointError, UnsupportedLayoutError):
+        raise  # a usage problem, not damage
     except CheckpointError as exc:
         return _frame([Problem(None, None, problem_kind(exc), str(exc))])
     return verify_checkpoint(source, crc=crc, workers=workers)
@@ -255,6 +257,7 @@ def _object_problems(
         pickled = entries[0].chunks[0].record.encoding in (
             Encoding.PICKLE_LEAF,
             Encoding.PICKLE_BYTES,
+            Encoding.DOCUMENT,
         )
         groups = [entries[:1]] if pickled else [[e] for e in entries]
         for group in groups:

@@ -18,6 +18,7 @@ from ..catalog.coverage import check_coverage as check_tiling
 from ..catalog.model import Chunk, Encoding, Entry, distinct_chunks
 from ..decoding.records import TensorData
 from ..errors import LimitExceededError, MismatchError
+from ..extras import require
 
 __all__ = [
     "BROADCAST_SLACK",
@@ -175,7 +176,7 @@ def as_bytes(array: np.ndarray) -> memoryview:
 def tensor_from_numpy(array: np.ndarray, dt: dtypes.DType):
     """``array`` as a tensor of ``dt`` sharing its memory; an empty one with the strides
     torch gives empty tensors (numpy's would make ``.view(torch.uint8)`` fail)."""
-    import torch
+    torch = require("torch", "reading tensors as torch tensors (read_numpy() needs no torch)")
 
     if not array.size:
         return torch.empty(array.shape, dtype=dtypes.to_torch(dt))
@@ -211,11 +212,14 @@ def check_record_lengths(entry: Entry, chunks: list[Chunk]) -> None:
             record is None
             or record.encoding not in (Encoding.RAW, Encoding.TORCH_SAVE)
             or record.transform
-            or not chunk.numel
         ):
             continue  # other records are checked against what they decode to
-        what = f"{entry.key!r}: the chunk at {list(chunk.offsets)} in {record.file!r}"
-        _check_reuse(chunk.numel * itemsize, record.length, what, record.stride)
+        numel = chunk.numel
+        if not numel:
+            continue
+        if numel * itemsize > record.length + BROADCAST_SLACK:  # the message built only here
+            what = f"{entry.key!r}: the chunk at {list(chunk.offsets)} in {record.file!r}"
+            _check_reuse(numel * itemsize, record.length, what, record.stride)
         if record.encoding is Encoding.TORCH_SAVE:
             continue  # its layout is in the record, checked when decoded
         sizes = chunk.sizes

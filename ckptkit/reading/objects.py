@@ -21,6 +21,7 @@ from ..decoding.records import (
     read_zip_indexes,
     undo_transform,
 )
+from ..decoding.run_config import parse_document
 from ..decoding.unpickler import OBJECT_GLOBALS, Opaque, TensorRef, safe_loads
 from ..errors import CorruptRecordError, FormatError, PickleLimitError
 from ..storage import Store
@@ -107,6 +108,8 @@ class ObjectReader(RecordFetcher):
             value = safe_loads(blob, allow=self.object_globals, source=source, unknown="opaque")
         elif record.encoding is Encoding.PICKLE_BYTES:
             value = safe_loads(blob, allow=OBJECT_GLOBALS, source=source, unknown="opaque")
+        elif record.encoding is Encoding.DOCUMENT:
+            value = parse_document(blob, record.file, source)
         else:
             raise FormatError(f"{source}: {key!r} has no object record ({record.encoding.value})")
         self._pickles[where] = value

@@ -14,6 +14,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .. import tunables
+from ..extras import require_protocols
 
 __all__ = [
     "CACHE_BLOCK",
@@ -74,6 +75,7 @@ def _filesystem(url: str, options: dict[str, Any]) -> tuple[Any, str]:
     multiply (5 × 5 × 5 requests and 200 s before a persistent 503 SlowDown is reported, measured
     on the test server).
     """
+    require_protocols(url)
     protocol = fsspec.utils.get_protocol(url)
     if protocol not in ("s3", "s3a") or "::" in url:
         return fsspec.core.url_to_fs(url, **options)

@@ -46,6 +46,7 @@ def inspect_json(ckpt: Checkpoint, *, top: int | None = None) -> dict:
         "format": catalog.format,
         "url": ckpt.url,
         "warning": left_as_objects_warning(catalog.objects()),
+        "notes": list(catalog.facts.notes),  # how it was found (the only checkpoint in a folder)
         "summary": {
             "tensors": len(catalog.tensors()),
             "objects": len(catalog.objects()),

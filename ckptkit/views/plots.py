@@ -17,6 +17,7 @@ import numpy as np
 from ..catalog.keys import KeyMap, map_key
 from ..catalog.model import Chunk
 from ..errors import KeyNotFoundError, UsageError
+from ..extras import require
 from ..ops.source import Source, open_source
 from ..reading.tensor_blocks import aligned_blocks, as_float
 from ..units import human_bytes, plural
@@ -55,8 +56,7 @@ _SEGMENTS = {
 def _axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
     if ax is not None:
         return ax
-    import matplotlib.pyplot as plt
-
+    plt = require("matplotlib.pyplot", "plotting (ckptkit.views.plots)")
     _, ax = plt.subplots(figsize=figsize)
     return ax
 

@@ -28,15 +28,24 @@ here a buffer keeps the dtype it was saved in (a catalog entry is stored bytes, 
 converted). Its command line also casts frozen 16-bit parameters: ``unshard(dtype="float32")``
 writes exactly what ``zero_to_fp32.py <dir> <out>`` writes.
 
-Not supported (recognised, with a clear error): model/tensor parallelism (``mp_rank_01``…),
-pipeline layer files (``layer_XX-model_YY-model_states.pt``), MoE expert files
-(``*expp_rank_*`` / ``*expert_*_mp_rank_*``), and ZeRO-Infinity NVMe offload (the swap files it
-copies to ``<tag>/offloaded_tensors/``).
+Pipeline parallelism (``PipelineModule``: ``layer_XX-model_states.pt`` per layer, one
+``mp_rank_{stage}_model_states.pt`` and ZeRO stage-1 partitions per stage) is read too: the layer
+files as ``model.<layer>.<param>`` / ``model.tied_modules.<key>.<param>`` (the names of
+``PipelineModule.state_dict()``), the fp32 masters as ``optim.fp32.<name>``, see
+:mod:`.pipeline`.
+
+Not supported (recognised, refused with an :class:`~ckptkit.errors.UnsupportedLayoutError`
+naming it): tensor/model parallelism (``mp_rank_01``… without layer files; pipeline + tensor
+parallel: ``layer_XX-model_01-model_states.pt`` or ``tp_degree`` > 1), pipeline without ZeRO
+(stage 0: the optimizer pickled in the model states), MoE expert files (``*expp_rank_*`` /
+``*expert_*_mp_rank_*``), and ZeRO-Infinity NVMe offload (the swap files it copies to
+``<tag>/offloaded_tensors/``).
 
 The package: :mod:`.detection` (tag directories, ``latest``, refused layouts), :mod:`.pickles`
 (the stand-ins the safe unpickler uses), :mod:`.state` (the decoded state of one tag, checked),
 :mod:`.geometry` (where each parameter lies in the flat partitions), :mod:`.model_states` and
-:mod:`.optimizer` (the entries), :mod:`.catalog` (``describe``).
+:mod:`.optimizer` (the entries), :mod:`.pipeline` (pipeline-parallel tags), :mod:`.catalog`
+(``describe``).
 """
 
 from __future__ import annotations

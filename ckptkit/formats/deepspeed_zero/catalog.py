@@ -1,5 +1,6 @@
 """The catalog of a ZeRO tag directory (or of the tag its run directory's ``latest`` names):
-the tag's pickles decoded and turned into entries, in ``zero_to_fp32``'s order.
+the tag's pickles decoded and turned into entries, in ``zero_to_fp32``'s order (a
+pipeline-parallel tag: in :mod:`.pipeline`'s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .detection import LATEST, NAME, SCRIPTS, latest_tag, list_tag_files, tag_ev
 from .model_states import ModelStateEntries
 from .optimizer import OptimizerEntries
 from .pickles import ZERO_GLOBALS
+from .pipeline import PipelineTag
 
 
 def describe(storage: Store, files: list[str] | None = None) -> Catalog:
@@ -29,9 +31,13 @@ def describe(storage: Store, files: list[str] | None = None) -> Catalog:
         skipped = {n: "DeepSpeed's converter script, not read" for n in SCRIPTS if n in listing}
     tag_files = list_tag_files(storage, prefix)
     skipped.update(tag_files.skipped)
-    names = [*tag_files.model, *tag_files.optim]
+    names = [*tag_files.model, *tag_files.optim, *tag_files.layers.values()]
     pickled = load_pickles(storage, names, tag_files.sizes, allow=ZERO_GLOBALS)
-    zero = _Zero([pickled[f] for f in tag_files.model], [pickled[f] for f in tag_files.optim])
+    zero: _Zero | PipelineTag
+    if tag_files.layers:
+        zero = PipelineTag(tag_files, pickled)
+    else:
+        zero = _Zero([pickled[f] for f in tag_files.model], [pickled[f] for f in tag_files.optim])
     builder = CatalogBuilder(NAME, object_globals=ZERO_GLOBALS)
     builder.add_files(names)
     source = storage.describe(prefix.rstrip("/"))

@@ -69,7 +69,7 @@ class OptimizerEntries(ZeroState):
             inner = ["optimizer_state_dict", self.state_key, "state", ids[rank][group], path[-1]]
             whole = self._whole(key, path, refs[rank][group], inner, optim)
             chunk = whole.chunks[0]
-            chunks.append(Chunk(chunk.offsets, chunk.sizes, chunk.record, rank))
+            chunks.append(Chunk(chunk.offsets, chunk.sizes, chunk.record, self.rank_base + rank))
         return Entry(key, path, "tensor", tuple(chunks), refs[0][group].dtype, ())
 
     def _state_object(self, key, path, shape, pieces, refs, ids, label) -> Entry:

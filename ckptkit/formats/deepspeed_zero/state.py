@@ -7,12 +7,12 @@ builders the model-state and optimizer entries share.
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Mapping
 from typing import Any
 
 from ...catalog.coverage import check_chunks
 from ...catalog.model import Chunk, Encoding, Entry, Record, pickle_leaf
+from ...decoding.bounded_repr import bounded_repr
 from ...decoding.unpickler import TensorRef, is_opaque
 from ...errors import CorruptRecordError, FormatError
 from ..parts.torch_save_files import Pickled, tensor_record
@@ -64,7 +64,7 @@ def flat_tensor(value: Any, pickled: Pickled, key: str) -> TensorRef:
 def checked_shape(value: Any, pickled: Pickled, key: str) -> tuple[int, ...]:
     """A saved shape (a tuple of non-negative ints), else a typed error naming the key."""
     if not isinstance(value, tuple) or not all(type(n) is int and n >= 0 for n in value):
-        raise CorruptRecordError(f"{pickled.source}: {key!r} is not a shape: {reprlib.repr(value)}")
+        raise CorruptRecordError(f"{pickled.source}: {key!r} is not a shape: {bounded_repr(value)}")
     return value
 
 
@@ -72,20 +72,32 @@ class ZeroState:
     """The decoded pickles of one tag, checked, and where its trainable parameters lie;
     the chunk and entry builders the model-state and optimizer entries share."""
 
-    def __init__(self, models: list[Pickled], optims: list[Pickled]) -> None:
+    def __init__(
+        self, models: list[Pickled], optims: list[Pickled], *, pipeline_stage: int | None = None
+    ) -> None:
         self.models, self.optims, self.model0 = models, optims, models[0]
         if not isinstance(self.model0.value, Mapping) or "module" not in self.model0.value:
             raise FormatError(
                 f"{self.model0.source}: no 'module': not a DeepSpeed model-state file"
             )
         self.module = self.model0.value["module"]
+        self.world = len(optims)
+        #: the global rank of this tag's DP rank 0 (a pipeline stage's: stage × DP world size)
+        self.rank_base = (pipeline_stage or 0) * self.world
+        if pipeline_stage is not None:  # the layer files hold the module
+            if self.module is not None:
+                raise FormatError(
+                    f"{self.model0.source}: 'module' holds the module weights, but pipeline "
+                    "layer files lie beside it (a pipeline save leaves it None): files of two "
+                    "saves mixed"
+                )
+            self.module = {}
         if not isinstance(self.module, Mapping):
             what = type(self.module).global_name if is_opaque(self.module) else "not a dict"
             raise FormatError(
                 f"{self.model0.source}: 'module' is {what} (not decoded, nothing run), "
                 "not the dict of module tensors DeepSpeed saves"
             )
-        self.world = len(optims)
         self.osds = [
             _dict(need_key(o.value, "optimizer_state_dict", o), o, "optimizer_state_dict")
             for o in optims
@@ -128,7 +140,7 @@ class ZeroState:
         count = max(counts) if ints else counts
         if count != self.world:
             raise FormatError(
-                f"{source}: partition_count {reprlib.repr(counts)} but {self.world} "
+                f"{source}: partition_count {bounded_repr(counts)} but {self.world} "
                 "optimizer-state files: "
                 "ranks missing or files of another save mixed in"
             )
@@ -270,9 +282,10 @@ class ZeroState:
                 Encoding.RAW,
             )
             if shape == ():
-                chunks.append(Chunk((), (), record, piece.rank))
+                chunks.append(Chunk((), (), record, self.rank_base + piece.rank))
             else:
-                chunks.append(Chunk((piece.start,), (piece.numel,), record, piece.rank, flat=True))
+                rank = self.rank_base + piece.rank
+                chunks.append(Chunk((piece.start,), (piece.numel,), record, rank, flat=True))
         ranks = sorted({p.rank for p in pieces})
         check_chunks(
             key, shape, chunks, source=files[0].source, pieces=f"the pieces of ranks {ranks}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ...catalog.model import Chunk, Encoding, Entry
+from ...extras import require
 from . import torch_save
 
 __all__ = ["DATA_FILE", "METADATA", "WrittenRecord", "write_records", "metadata_bytes"]
@@ -77,7 +78,7 @@ def _boxes(entry: Entry) -> list[Chunk]:
 
 def metadata_bytes(records: list[WrittenRecord], entries: list[Entry]) -> bytes:
     """``.metadata`` for the written records, pickled with torch's own classes."""
-    import torch
+    torch = require("torch", "writing DCP metadata (convert to='dcp')")
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
