@@ -426,4 +426,6 @@ def test_readme_install_lines_are_what_this_test_runs(dist):
     assert f"pip install {wheel}" in commands  # the base fixture
     assert f"pip install {TORCH_SPEC} '{wheel}[torch]'" in commands  # the [torch] test
     assert "conda env create -f environment.yml" in commands
-    assert not [c for c in commands if c.startswith("make ")]  # make demo / make test come first
+    # make demo / make test come first (the checkout's two commands), then the pip lines
+    assert commands[:2] == ["make demo", "make test"]
+    assert not [c for c in commands[2:] if c.startswith("make ")]
