@@ -342,7 +342,7 @@ def test_killed_unshard_into_a_folder_with_other_files_always_ends_complete(
     points = _kill_everywhere(
         zygote, source, reference, tmp_path, to="torch", prepare=_folder_with_other_files, every=4
     )
-    assert points > 25
+    assert points >= 20  # every publishing boundary, and each 4th staged write
 
 
 def test_killed_overwrite_restores_or_completes(zygote, source, reference, tmp_path):

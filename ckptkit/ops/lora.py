@@ -664,11 +664,16 @@ class _MergingCopier(Copier):
         self.changes = changes
         self.fan_in_fan_out = fan_in_fan_out
 
+    def __call__(self, entry: Entry) -> Iterator[memoryview]:
+        change = self.changes.get(entry.key)
+        return super().__call__(entry) if change is None else self._pieces(entry, change)
+
     def checked(self, entry: Entry) -> Iterator[memoryview]:
         change = self.changes.get(entry.key)
-        if change is None:
-            yield from super().checked(entry)
-            return
+        return super().checked(entry) if change is None else self._pieces(entry, change)
+
+    def _pieces(self, entry: Entry, change: _Change) -> Iterator[memoryview]:
+        """The merged tensor's bytes, as one piece."""
         self.stop.check()
         torch = require("torch", "merge-lora")
         weight = self._merged(torch, entry, change)

@@ -154,7 +154,8 @@ def _write_dcp(
 
 class Copier:
     """Produces each tensor's output bytes (cast when asked), advancing the progress bar;
-    stops when another worker failed."""
+    stops when another worker failed. A subclass that changes a tensor's bytes overrides both
+    ``__call__`` (raw pieces) and :meth:`checked` (pieces for a zip writer)."""
 
     def __init__(self, reader: Reader, cast: DType | None, bar, stop: work.Stop) -> None:
         self.reader, self.cast, self.bar, self.stop = reader, cast, bar, stop
