@@ -49,7 +49,7 @@ from ...errors import CheckpointError, FormatError, MissingFileError
 from ...storage import Store
 from ..detection import Detection
 from ..parts.dcp_metadata import DATA_FILE, METADATA, read_dcp
-from ..parts.megatron_tracker import TRACKER, tracked_iteration
+from ..parts.megatron_tracker import TRACKER, detect_tracked, tracked_iteration
 from ..parts.torch_save_files import leaves, load_pickles, pickle_entries, tensor_record
 from .layers import archive_pickles, layer_chunks, layer_key, stacked_name
 from .pickles import MEGATRON_GLOBALS, mcore_data
@@ -90,14 +90,8 @@ def detect(storage: Store) -> Detection | None:
         return Detection(
             NAME, storage, [f"found {TRACKER} naming {sub}/, which holds no checkpoint"]
         )
-    try:
-        inner = _detect_here(storage.child(sub), storage.child(sub).listdir())
-    except (MissingFileError, NotADirectoryError):
-        inner = None
-    if inner is None:  # an iteration folder without Megatron content: not Megatron's
-        return None
-    inner.evidence[:0] = [f"found {TRACKER} naming {sub}/"]
-    return inner
+    # an iteration folder without Megatron content is not Megatron's
+    return detect_tracked(storage, sub, _detect_here)
 
 
 def _detect_here(storage: Store, listing: dict[str, int]) -> Detection | None:

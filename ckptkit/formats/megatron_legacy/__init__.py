@@ -45,7 +45,7 @@ from ...storage import Store
 from ..detection import Detection
 from ..parts.megatron_tp import MODEL_GROUP, TIED_GROUP, merge_model, warn_differing_copies
 from ..parts.megatron_tp_rules import ModelArgs
-from ..parts.megatron_tracker import TRACKER, tracked_iteration
+from ..parts.megatron_tracker import TRACKER, detect_tracked, tracked_iteration
 from ..parts.torch_save_files import load_pickles, pickle_entries
 from .args import model_args
 from .errors import MegatronLegacyError
@@ -87,14 +87,7 @@ def detect(storage: Store) -> Detection | None:
     sub = tracked_iteration(storage)
     if sub is None or listing.get(sub, 0) >= 0:  # names nothing, or no such folder
         return None
-    child = storage.child(sub)
-    try:
-        inner = _detect_here(child, child.listdir())
-    except (MissingFileError, NotADirectoryError):
-        return None
-    if inner is not None:
-        inner.evidence[:0] = [f"found {TRACKER} naming {sub}/"]
-    return inner
+    return detect_tracked(storage, sub, _detect_here)
 
 
 def _one_rank(storage: Store) -> Detection | None:

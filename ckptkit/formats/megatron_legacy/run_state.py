@@ -68,23 +68,17 @@ def _copies(prefix: tuple[str, ...], held: list[tuple[RankFile, list[Entry]]]) -
             Chunk(e.chunks[0].offsets, e.chunks[0].sizes, e.chunks[0].record, rank.rank)
             for rank, e in ((rank, entries[position]) for rank, entries in held)
         )
-        path = (*prefix, *entry.path[2:])
-        out.append(
-            Entry(
-                ".".join(map(str, path)),
-                path,
-                entry.kind,
-                chunks,
-                entry.dtype,
-                entry.shape,
-                tensor_class=entry.tensor_class,
-            )
-        )
+        out.append(_placed(entry, (*prefix, *entry.path[2:]), chunks))
     return out
 
 
 def _moved(entry: Entry, path: tuple, rank: RankFile) -> Entry:
     chunks = tuple(Chunk(c.offsets, c.sizes, c.record, rank.rank, c.flat) for c in entry.chunks)
+    return _placed(entry, path, chunks)
+
+
+def _placed(entry: Entry, path: tuple, chunks: tuple[Chunk, ...]) -> Entry:
+    """``entry`` under ``path`` (its key spelled from it), holding ``chunks``."""
     return Entry(
         ".".join(map(str, path)),
         path,

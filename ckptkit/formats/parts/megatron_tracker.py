@@ -4,10 +4,13 @@ no format (verl writes one too)."""
 
 from __future__ import annotations
 
-from ...errors import CheckpointError
-from ...storage import Store
+from collections.abc import Callable
 
-__all__ = ["TRACKER", "tracked_iteration"]
+from ...errors import CheckpointError, MissingFileError
+from ...storage import Store
+from ..detection import Detection
+
+__all__ = ["TRACKER", "tracked_iteration", "detect_tracked"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -22,3 +25,18 @@ def tracked_iteration(storage: Store) -> str | None:
     if text == "release":
         return text
     return f"iter_{int(text):07d}" if text.isdigit() else None
+
+
+def detect_tracked(
+    storage: Store, sub: str, detect_here: Callable[[Store, dict[str, int]], Detection | None]
+) -> Detection | None:
+    """``detect_here``'s verdict on the iteration folder ``sub`` the tracker names, its evidence
+    led by the tracker; None when the folder cannot be listed or holds nothing it knows."""
+    child = storage.child(sub)
+    try:
+        inner = detect_here(child, child.listdir())
+    except (MissingFileError, NotADirectoryError):
+        return None
+    if inner is not None:
+        inner.evidence[:0] = [f"found {TRACKER} naming {sub}/"]
+    return inner
