@@ -229,7 +229,7 @@ def inspect_text(
     ]
     lines = [
         *([summary.warning] if summary.warning else []),  # first, and whole: never missed
-        f"{ckpt.format} checkpoint {ckpt.url}",
+        *wrap(f"{ckpt.format} checkpoint {unbroken(str(ckpt.url))}", limit),
         *wrap(", ".join(map(unbroken, counts)), limit, indent="  "),
         *_sentence(f"stored: {summary.bytes_text}", limit, "  "),
         *(part for note in summary.notes for part in wrap(note, limit, indent="  ")),
@@ -355,11 +355,13 @@ def stats_text(frame: pd.DataFrame, *, wide: bool = False, width: int | None = N
         prints = [ABSENT if _missing(v) else str(v)[:16] for v in frame["fingerprint"]]
         columns.append(Column("fingerprint", prints, left=True))
     limit = _limit(wide, width)
-    head = (
-        f"{frame.attrs.get('url')} ({frame.attrs.get('format')}): "
-        f"{plural(len(frame), 'tensor')}, {plural(int(frame['numel'].sum()), 'element', thousands=True)}"
-    )
-    lines = [*_sentence(head, limit), *table(columns, limit)]
+    counts = [
+        plural(len(frame), "tensor"),
+        plural(int(frame["numel"].sum()), "element", thousands=True),
+    ]
+    # the path whole on the first line, the counts after it or, when too long, below it
+    head = unbroken(f"{frame.attrs.get('url')} ({frame.attrs.get('format')}):")
+    lines = [*wrap(" ".join([head, ", ".join(map(unbroken, counts))]), limit), *table(columns, limit)]
     bad = frame.loc[(frame["frac_nan"] > 0) | (frame["frac_inf"] > 0), "key"].tolist()
     if bad:
         shown = ", ".join(bad[:10]) + (" …" if len(bad) > 10 else "")
