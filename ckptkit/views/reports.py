@@ -361,7 +361,10 @@ def stats_text(frame: pd.DataFrame, *, wide: bool = False, width: int | None = N
     ]
     # the path whole on the first line, the counts after it or, when too long, below it
     head = unbroken(f"{frame.attrs.get('url')} ({frame.attrs.get('format')}):")
-    lines = [*wrap(" ".join([head, ", ".join(map(unbroken, counts))]), limit), *table(columns, limit)]
+    lines = [
+        *wrap(" ".join([head, ", ".join(map(unbroken, counts))]), limit),
+        *table(columns, limit),
+    ]
     bad = frame.loc[(frame["frac_nan"] > 0) | (frame["frac_inf"] > 0), "key"].tolist()
     if bad:
         shown = ", ".join(bad[:10]) + (" …" if len(bad) > 10 else "")
