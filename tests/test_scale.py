@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 import ckptkit
+from ckptkit import tunables
 from ckptkit.decoding.records import zip_members
 from ckptkit.errors import ChecksumError, UsageError
+from ckptkit.ops import work
 
 #: Small enough that the sample's model and optimizer split into many shards: many work items.
 SHARD = "64KiB"
@@ -103,6 +105,83 @@ def test_a_failing_worker_leaves_nothing_and_names_the_damage(ws2, tmp_path):
     with pytest.raises(ChecksumError, match=rf"__0_0\.distcp.*{key}"):
         ckptkit.unshard(str(damaged), str(dst), to="safetensors", max_shard_size=SHARD, workers=4)
     assert not dst.exists()  # no final file, no staging folder, no folder made for it
+
+
+@pytest.fixture
+def split_everything(monkeypatch):
+    """Every safetensors file of more than a worker's share is split (the sample is small);
+    how many parts each file was split into, by name."""
+    from ckptkit.storage import AtomicOutput
+
+    monkeypatch.setattr(tunables, "SPLIT_FILE_BYTES", 0)
+    opened: dict[str, int] = {}
+    original = AtomicOutput.open_ranges
+
+    def open_ranges(self, name, size):
+        opened[name] = size
+        return original(self, name, size)
+
+    monkeypatch.setattr(AtomicOutput, "open_ranges", open_ranges)
+    return opened
+
+
+@pytest.mark.parametrize("names", ["groups", "transformers"])
+def test_one_file_written_by_workers_is_the_file_one_process_writes(
+    ws2, tmp_path, split_everything, names
+):
+    """One ``model.safetensors`` (no shard size) written by 4 workers as byte ranges: the same
+    bytes as one worker writes, which the safetensors library reads back."""
+    from safetensors import safe_open
+
+    written = {}
+    for workers in (1, 4):
+        out = tmp_path / str(workers)
+        result = ckptkit.unshard(
+            str(ws2.path), str(out), to="safetensors", names=names, workers=workers, progress=False
+        )
+        written[workers] = [(f.name, f.nbytes, f.tensors) for f in result.files]
+    assert written[1] == written[4]
+    assert digests(tmp_path / "1") == digests(tmp_path / "4")
+    assert "model.safetensors" in split_everything  # written in parts, not by one worker
+    model = tmp_path / "4" / "model.safetensors"
+    assert split_everything["model.safetensors"] == model.stat().st_size
+    reference = ws2.reference()["model"]
+    with safe_open(str(model), "pt") as handle:
+        assert set(handle.keys()) == set(reference)
+        for key in reference:
+            assert handle.get_tensor(key).equal(reference[key]), key
+
+
+def test_a_failing_part_leaves_nothing_and_no_open_file(ws2, tmp_path, split_everything):
+    """A damaged source under a split file: the error names the damage, no output, no staging
+    folder, and the file every part was writing is closed."""
+    damaged, key = damaged_copy(ws2.path, tmp_path / "damaged")
+    dst = tmp_path / "out"
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ChecksumError, match=rf"__0_0\.distcp.*{key}"):
+        ckptkit.unshard(str(damaged), str(dst), to="safetensors", workers=4, progress=False)
+    assert split_everything  # the failure happened in a split file's parts
+    assert not dst.exists()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize(
+    ("sizes", "n"),
+    [
+        ([5, 5, 5, 5], 2),
+        ([100, 1, 1, 1], 2),
+        ([1, 1, 1, 100], 3),
+        ([0, 0, 0], 2),
+        ([7], 4),
+        ([], 3),
+    ],
+)
+def test_consecutive_runs_cover_every_index_once_in_at_most_n_runs(sizes, n):
+    runs = work.consecutive_runs(sizes, n)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    assert len(runs) <= n and all(len(run) for run in runs)
+    if sizes == [5, 5, 5, 5]:
+        assert runs == [range(0, 2), range(2, 4)]
 
 
 @pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .. import dtypes
+from .. import dtypes, tunables
 from ..catalog import output_names
 from ..catalog.keys import MODEL_GROUP
 from ..catalog.model import Entry, refuse_tensors_left_as_objects
@@ -32,7 +33,7 @@ from ..errors import (
 from ..storage import AtomicOutput, Storage, atomic_output
 from ..units import parse_size, plural
 from . import distributed, output_plans, work
-from .output_plans import Copier, Task, WrittenFile
+from .output_plans import Copier, Part, Split, Task, WrittenFile
 from .source import Source, open_source, select_entries
 from .writers import torch_save
 
@@ -433,15 +434,62 @@ def _run_tasks(
 
     log = distributed.rank_logger(ranks)
 
-    def write(item: work.WorkItem[Task], _stop: work.Stop) -> list[WrittenFile]:
+    def write(item: work.WorkItem[Task | Part], _stop: work.Stop) -> list[WrittenFile] | None:
         copier = copiers.get()
         copier.reader.read_ahead(item.task.entries)  # small tensors: many per batch of reads
+        if isinstance(item.task, Part):
+            item.task.write(copier)
+            return None
         log.info("writing %s (%d bytes)", ", ".join(item.task.names), item.nbytes)
         written = item.task.write(output, copier)
         log.info("wrote %s", ", ".join(item.task.names))
         return written
 
-    return work.run(work.mine(items, ranks), write, workers=workers, stop=stop)
+    share = work.mine(items, ranks)
+    splits: dict[int, Split] = {}
+    try:
+        units = _split_large(share, len(items), output, workers, splits, log)
+        results = work.run(units, write, workers=workers, stop=stop)
+        for index, split in splits.items():
+            results[index] = split.finish()
+    finally:
+        for split in splits.values():
+            split.close()
+    return {index: files for index, files in results.items() if files is not None}
+
+
+def _split_large(
+    share: list[work.WorkItem[Task]],
+    next_index: int,
+    output: AtomicOutput,
+    workers: int,
+    splits: dict[int, Split],
+    log: logging.Logger,
+) -> list[work.WorkItem[Task | Part]]:
+    """This process's work units: each task whole, except that with several ``workers`` a
+    file holding more than a worker's share of the bytes (and at least
+    :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`) is opened at its full size and written as
+    parts, one per worker, at once (recorded in ``splits`` by task index, to finish; the
+    parts numbered from ``next_index``)."""
+    share_bytes = sum(item.nbytes for item in share)
+    units: list[work.WorkItem[Task | Part]] = []
+    index = next_index
+    for item in share:
+        task = item.task
+        if (
+            workers == 1
+            or task.split is None
+            or item.nbytes < tunables.SPLIT_FILE_BYTES
+            or item.nbytes * workers <= share_bytes
+        ):
+            units.append(item)
+            continue
+        split = splits[item.index] = task.split(output, workers)
+        log.info("writing %s as %d parts (%d bytes)", task.names[0], len(split.parts), item.nbytes)
+        for part in split.parts:
+            units.append(work.WorkItem(index, part.nbytes, part))
+            index += 1
+    return units
 
 
 def _refuse_another_checkpoint(destination: Storage, names: list[str]) -> None:

@@ -29,6 +29,8 @@ from .writers import torch_save
 
 __all__ = [
     "Copier",
+    "Part",
+    "Split",
     "Task",
     "WrittenFile",
     "dcp_task",
@@ -50,12 +52,36 @@ class WrittenFile:
 
 @dataclass(frozen=True)
 class Task:
-    """A unit of work of a plan: output file(s) written together, from ``entries``."""
+    """A unit of work of a plan: output file(s) written together, from ``entries``; ``split``,
+    when the file's layout is known before its bytes (safetensors), writes it as ``n`` parts
+    that workers run at once instead."""
 
     names: list[str]
     entries: list[Entry]
     nbytes: int  # tensor bytes written, for balancing and progress
     write: Callable[[AtomicOutput, Copier], list[WrittenFile]]
+    split: Callable[[AtomicOutput, int], Split] | None = None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One byte range of a split task's file: ``entries`` written by ``write(copier)`` at
+    their places, while other parts write theirs."""
+
+    entries: list[Entry]
+    nbytes: int
+    write: Callable[[Copier], None]
+
+
+@dataclass
+class Split:
+    """A task's file opened at its full size for :class:`Part` s to fill; ``finish`` (after
+    every part succeeded) closes it and says what was written, ``close`` (in every case)
+    releases it."""
+
+    parts: list[Part]
+    finish: Callable[[], list[WrittenFile]]
+    close: Callable[[], None]
 
 
 def unsharded_tasks(
@@ -340,8 +366,9 @@ class _SafetensorsPlan(_Plan):
         if self.shards[0]:
             for name, shard in zip(self.tensor_names, self.shards, strict=True):
                 write = functools.partial(self._write_shard, name, shard)
+                split = functools.partial(self._split_shard, name, shard)
                 nbytes = sum(item.nbytes for item, _ in shard)
-                tasks.append(Task([name], [entry for _, entry in shard], nbytes, write))
+                tasks.append(Task([name], [entry for _, entry in shard], nbytes, write, split))
         if len(self.shards) > 1:
             index = f"{self.stem}.safetensors.index.json"
             tasks.append(Task([index], [], 0, lambda output, _copier: [self._write_index(output)]))
@@ -366,6 +393,45 @@ class _SafetensorsPlan(_Plan):
                 metadata={"format": "pt"},
             )
             return [WrittenFile(name, stream.tell(), len(shard), 0)]
+
+    @staticmethod
+    def _split_shard(
+        name: str,
+        shard: list[tuple[safetensors_writer.SafetensorsItem, Entry]],
+        output: AtomicOutput,
+        n: int,
+    ) -> Split:
+        """The shard as ``n`` runs of consecutive tensors of about equal bytes, each written at
+        its offsets: the same bytes as :meth:`_write_shard`, by ``n`` workers."""
+        items = [item for item, _ in shard]
+        header = safetensors_writer.header_bytes(items, metadata={"format": "pt"})
+        starts = safetensors_writer.data_starts(header, items)
+        size = len(header) + sum(item.nbytes for item in items)
+        file = output.open_ranges(name, size)
+        try:
+            file.write_at(0, header)
+        except BaseException:
+            file.close()
+            raise
+
+        def write(run: range, copier: Copier) -> None:
+            for i in run:
+                item, entry = shard[i]
+                safetensors_writer.write_item(file.writer_at(starts[i]), item, copier(entry))
+
+        def finish() -> list[WrittenFile]:
+            file.close()
+            return [WrittenFile(name, size, len(shard), 0)]
+
+        parts = [
+            Part(
+                [shard[i][1] for i in run],
+                sum(items[i].nbytes for i in run),
+                functools.partial(write, run),
+            )
+            for run in work.consecutive_runs([item.nbytes for item in items], n)
+        ]
+        return Split(parts, finish, file.close)
 
     def _write_index(self, output: AtomicOutput) -> WrittenFile:
         """The HF ``*.safetensors.index.json`` naming each tensor's shard."""

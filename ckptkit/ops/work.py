@@ -29,6 +29,7 @@ __all__ = [
     "Cancelled",
     "Stop",
     "check_workers",
+    "consecutive_runs",
     "mine",
     "run",
     "run_everywhere",
@@ -71,6 +72,21 @@ def check_workers(workers: int) -> int:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise UsageError(f"workers must be a positive integer, not {workers!r}")
     return workers
+
+
+def consecutive_runs(sizes: Sequence[int], n: int) -> list[range]:
+    """``sizes`` cut into at most ``n`` runs of consecutive indices of about equal total (each
+    run ends once it reaches its share), none empty: a file's tensors for ``n`` writers."""
+    total = sum(sizes)
+    runs, start, done = [], 0, 0
+    for i, size in enumerate(sizes):
+        done += size
+        if done * n >= total * (len(runs) + 1) and len(runs) < n - 1:
+            runs.append(range(start, i + 1))
+            start = i + 1
+    if start < len(sizes):
+        runs.append(range(start, len(sizes)))
+    return runs
 
 
 def mine(items: Sequence[WorkItem], ranks: Ranks | None) -> list[WorkItem]:

@@ -20,7 +20,7 @@ import posixpath
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 from ..errors import (
@@ -37,7 +37,13 @@ from .recovery import REPLACED_DIR
 from .retry import error_summary
 from .store import Storage
 
-__all__ = ["REMOTE_STAGING_PREFIX", "STAGING_PREFIX", "AtomicOutput", "atomic_output"]
+__all__ = [
+    "REMOTE_STAGING_PREFIX",
+    "STAGING_PREFIX",
+    "AtomicOutput",
+    "RangedFile",
+    "atomic_output",
+]
 
 #: Prefix of the staging folder inside a local destination, and of a remote destination's
 #: staging folder in the local temporary directory.
@@ -156,16 +162,41 @@ class AtomicOutput:
         with self._lock:
             return self._open(name)
 
+    def open_ranges(self, name: str, size: int) -> RangedFile:
+        """A new file of ``size`` bytes that will become ``name``, written at offsets
+        (:meth:`RangedFile.write_at`) by several threads at once: one output file spread over
+        workers, each writing its own byte ranges."""
+        with self._lock:
+            path = self._staged_path(name)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise self._error(name, exc) from exc
+            self._register(name)
+        file = RangedFile(fd, self, name)
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            file.close()
+            raise self._error(name, exc) from exc
+        return file
+
     def _open(self, name: str) -> BinaryIO:
+        path = self._staged_path(name)
+        try:
+            stream = builtins.open(path, "wb")  # noqa: SIM115 (the caller closes it)
+        except OSError as exc:
+            raise self._error(name, exc) from exc
+        self._register(name)
+        return _OutputFile(stream, self, name)  # type: ignore[return-value]
+
+    def _staged_path(self, name: str) -> str:
+        """Where ``name`` is staged (its folders made), once checked: a safe name, not written
+        before, not a file where another name needs a folder or the other way round."""
         self._check_name(name)
         if name in self.names:
             raise OutputNameError(f"{self.destination.describe(name)} is written twice")
-        parents: set[str] = set()
-        up = posixpath.dirname(name)
-        while up:
-            parents.add(up)
-            up = posixpath.dirname(up)
-        if name in self._dirs or parents & set(self.names):
+        if name in self._dirs or _parent_folders(name) & set(self.names):
             raise OutputNameError(
                 f"{self.destination.describe(name)}: a file and a folder of files would share "
                 "this name"
@@ -173,12 +204,14 @@ class AtomicOutput:
         path = os.path.join(self.staging, name)  # in a folder of our own (mode 0700)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            stream = builtins.open(path, "wb")  # noqa: SIM115 (the caller closes it)
         except OSError as exc:
             raise self._error(name, exc) from exc
+        return path
+
+    def _register(self, name: str) -> None:
+        """Record ``name`` (now staged) as an output and its parents as folders."""
         self.names.append(name)
-        self._dirs |= parents
-        return _OutputFile(stream, self, name)  # type: ignore[return-value]
+        self._dirs |= _parent_folders(name)
 
     def commit(self) -> None:
         """Put every written file under its final name, all or nothing: if one fails, those
@@ -479,6 +512,61 @@ class _OutputFile:
         else:  # the error under way matters more than one from closing
             with contextlib.suppress(OSError):
                 self._stream.close()
+
+
+def _parent_folders(name: str) -> set[str]:
+    """The folders ``name`` lies in (``a/b/c``: ``a/b`` and ``a``)."""
+    parents = set()
+    up = posixpath.dirname(name)
+    while up:
+        parents.add(up)
+        up = posixpath.dirname(up)
+    return parents
+
+
+class RangedFile:
+    """An output file under its staging name, pre-sized and written at offsets with
+    ``os.pwrite``, so threads write their own byte ranges of it at once; its OSErrors come out
+    as :class:`DestinationError` naming the final file."""
+
+    def __init__(self, fd: int, output: AtomicOutput, name: str) -> None:
+        self._fd: int | None = fd
+        self._output, self.name = output, name
+        self._lock = threading.Lock()
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write all of ``data`` at ``offset`` (a range no other thread writes)."""
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"{self.name}: written after it was closed")
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                done = os.pwrite(fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            raise self._output._error(self.name, exc) from exc
+
+    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
+        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
+        position = offset
+
+        def write(data: bytes | memoryview) -> None:
+            nonlocal position
+            self.write_at(position, data)
+            position += memoryview(data).nbytes
+
+        return write
+
+    def close(self) -> None:
+        """Close the file (again: nothing happens)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                raise self._output._error(self.name, exc) from exc
 
 
 @contextlib.contextmanager

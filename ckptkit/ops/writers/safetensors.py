@@ -12,7 +12,7 @@ from typing import BinaryIO
 from ...dtypes import DType
 from ...errors import FormatError
 
-__all__ = ["SafetensorsItem", "header_bytes", "write"]
+__all__ = ["SafetensorsItem", "data_starts", "header_bytes", "write", "write_item"]
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,32 @@ def write(
     stream.write(header_bytes(items, metadata))
     total = 0
     for item in items:
-        written = 0
-        for chunk in produce(item):
-            stream.write(chunk)
-            written += len(chunk)
-            del chunk  # else the last piece stays alive while produce() builds the next tensor
-        if written != item.nbytes:
-            raise FormatError(f"{item.name!r}: {written} bytes produced, {item.nbytes} expected")
-        total += written
+        total += write_item(stream.write, item, produce(item))
     return total
+
+
+def data_starts(header: bytes, items: Sequence[SafetensorsItem]) -> list[int]:
+    """Where each item's bytes start in the file ``header`` begins (items in stored order):
+    what lets workers write a file's tensors at once, each at its place."""
+    starts, offset = [], len(header)
+    for item in items:
+        starts.append(offset)
+        offset += item.nbytes
+    return starts
+
+
+def write_item(
+    write: Callable[[bytes | memoryview], object],
+    item: SafetensorsItem,
+    pieces: Iterable[bytes | memoryview],
+) -> int:
+    """``write`` each of an item's ``pieces``, in order; refused unless they are exactly its
+    bytes."""
+    written = 0
+    for piece in pieces:
+        write(piece)
+        written += len(piece)
+        del piece  # else the last piece stays alive while the producer builds the next tensor
+    if written != item.nbytes:
+        raise FormatError(f"{item.name!r}: {written} bytes produced, {item.nbytes} expected")
+    return written
