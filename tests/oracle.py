@@ -74,6 +74,27 @@ def torch_unsharded(path: str | Path, tmp_dir: Path) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def assert_same_structure(actual, expected, where: str, *, ordered: bool) -> None:
+    """Nesting, keys, list indices and objects equal; tensors bit-equal. ``ordered``: dict keys
+    also in the same order (torch's own converter orders them as its metadata lists them; the
+    state a job held in memory may list them in another order)."""
+    if isinstance(expected, torch.Tensor):
+        assert_bit_equal(actual, expected, where)
+    elif isinstance(expected, dict):
+        if ordered:
+            assert list(actual) == list(expected), where
+        else:
+            assert set(actual) == set(expected), where
+        for key in expected:
+            assert_same_structure(actual[key], expected[key], f"{where}.{key}", ordered=ordered)
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_structure(a, e, f"{where}.{i}", ordered=ordered)
+    else:
+        assert actual == expected, where
+
+
 def lookup(state: dict, path: tuple):
     value = state
     for part in path:

@@ -11,30 +11,15 @@ import torch
 import ckptkit
 from ckptkit.examples import TinyLM
 
-from oracle import assert_bit_equal, dcp_load_model, lookup, torch_unsharded
+from oracle import (
+    assert_bit_equal,
+    assert_same_structure,
+    dcp_load_model,
+    lookup,
+    torch_unsharded,
+)
 
 STREAMED = ["single_process", "fsdp2_ws2", "fsdp2_ws4", "column_sharded", "empty_chunks", "zstd"]
-
-
-def assert_same_structure(actual, expected, where: str, *, ordered: bool) -> None:
-    """Nesting, keys, list indices and objects equal; tensors bit-equal. ``ordered``: dict keys
-    also in the same order (torch's own converter orders them as its metadata lists them; the
-    state a job held in memory may list them in another order)."""
-    if isinstance(expected, torch.Tensor):
-        assert_bit_equal(actual, expected, where)
-    elif isinstance(expected, dict):
-        if ordered:
-            assert list(actual) == list(expected), where
-        else:
-            assert set(actual) == set(expected), where
-        for key in expected:
-            assert_same_structure(actual[key], expected[key], f"{where}.{key}", ordered=ordered)
-    elif isinstance(expected, (list, tuple)):
-        assert type(actual) is type(expected) and len(actual) == len(expected), where
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same_structure(a, e, f"{where}.{i}", ordered=ordered)
-    else:
-        assert actual == expected, where
 
 
 @pytest.mark.parametrize("name", STREAMED)

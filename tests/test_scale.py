@@ -16,6 +16,8 @@ from ckptkit.decoding.records import zip_members
 from ckptkit.errors import ChecksumError, UsageError
 from ckptkit.ops import work
 
+from oracle import assert_same_structure, torch_unsharded
+
 #: Small enough that the sample's model and optimizer split into many shards: many work items.
 SHARD = "64KiB"
 
@@ -58,14 +60,31 @@ def unshard_all(src: Path, out: Path, **kwargs) -> dict[str, list]:
 
 
 def test_workers_write_the_same_bytes_as_one_process(ws2, tmp_path):
+    """torch.save and safetensors shards: the same files, bit for bit. DCP: a data file per
+    worker (as torch's writer has one per rank), read by torch as the same state."""
     one = unshard_all(ws2.path, tmp_path / "one")
     four = unshard_all(ws2.path, tmp_path / "four", workers=4)
+    dcp_one, dcp_four = one.pop("dcp"), four.pop("dcp")
     assert one == four  # the same files, listed in the same (plan) order
     assert len(one["st"]) > 8  # the shard size made many work items
-    assert digests(tmp_path / "one") == digests(tmp_path / "four")
-    assert dcp_metadata_without_save_id(tmp_path / "one" / "dcp") == dcp_metadata_without_save_id(
-        tmp_path / "four" / "dcp"
-    )
+    for target in one:
+        assert digests(tmp_path / "one" / target) == digests(tmp_path / "four" / target)
+    assert_same_dcp(tmp_path / "one" / "dcp", tmp_path / "four" / "dcp", tmp_path)
+    assert [name for name, *_ in dcp_one] == ["__0_0.distcp", ".metadata"]
+    assert [name for name, *_ in dcp_four] == [f"__{i}_0.distcp" for i in range(4)] + [".metadata"]
+    assert sum(f[1] for f in dcp_one[:-1]) == sum(f[1] for f in dcp_four[:-1])  # same records
+    assert [sum(f[k] for f in dcp_four) for k in (2, 3)] == [dcp_one[0][2], dcp_one[0][3]]
+
+
+def assert_same_dcp(a: Path, b: Path, tmp_path: Path) -> None:
+    """Two DCP directories torch reads as the same state (the same keys and chunks, objects
+    equal, tensors bit-equal), however their records are spread over data files."""
+    assert dcp_metadata_without_save_id(a)["state"] == dcp_metadata_without_save_id(b)["state"]
+    scratch = tmp_path / f"torch-{a.name}-{b.name}"
+    scratch.mkdir()
+    expected = torch_unsharded(a, scratch)
+    (scratch / "dcp_to_torch_save.pt").unlink()
+    assert_same_structure(torch_unsharded(b, scratch), expected, "state", ordered=True)
 
 
 def damaged_copy(src: Path, dst: Path) -> tuple[Path, str]:
@@ -109,8 +128,8 @@ def test_a_failing_worker_leaves_nothing_and_names_the_damage(ws2, tmp_path):
 
 @pytest.fixture
 def split_everything(monkeypatch):
-    """Every safetensors file of more than a worker's share is split (the sample is small);
-    how many parts each file was split into, by name."""
+    """Every file of more than a worker's share is split (the sample is small); the size each
+    split file was opened at, by name."""
     from ckptkit.storage import AtomicOutput
 
     monkeypatch.setattr(tunables, "SPLIT_FILE_BYTES", 0)
@@ -125,43 +144,56 @@ def split_everything(monkeypatch):
     return opened
 
 
-@pytest.mark.parametrize("names", ["groups", "transformers"])
+@pytest.mark.parametrize(
+    ("to", "names", "file"),
+    [
+        ("torch", "groups", "model.pt"),
+        ("safetensors", "groups", "model.safetensors"),
+        ("safetensors", "transformers", "model.safetensors"),
+    ],
+)
 def test_one_file_written_by_workers_is_the_file_one_process_writes(
-    ws2, tmp_path, split_everything, names
+    ws2, tmp_path, split_everything, to, names, file
 ):
-    """One ``model.safetensors`` (no shard size) written by 4 workers as byte ranges: the same
-    bytes as one worker writes, which the safetensors library reads back."""
-    from safetensors import safe_open
-
+    """One ``model.pt`` / ``model.safetensors`` (no shard size) written by 4 workers as byte
+    ranges: the same bytes as one worker writes, which torch / the safetensors library read
+    back as the state the job held."""
     written = {}
     for workers in (1, 4):
         out = tmp_path / str(workers)
         result = ckptkit.unshard(
-            str(ws2.path), str(out), to="safetensors", names=names, workers=workers, progress=False
+            str(ws2.path), str(out), to=to, names=names, workers=workers, progress=False
         )
         written[workers] = [(f.name, f.nbytes, f.tensors) for f in result.files]
     assert written[1] == written[4]
     assert digests(tmp_path / "1") == digests(tmp_path / "4")
-    assert "model.safetensors" in split_everything  # written in parts, not by one worker
-    model = tmp_path / "4" / "model.safetensors"
-    assert split_everything["model.safetensors"] == model.stat().st_size
+    model = tmp_path / "4" / file
+    assert split_everything[file] <= model.stat().st_size  # written in parts, not by one worker
+    if to == "torch":
+        import torch
+
+        loaded = torch.load(model, weights_only=True, mmap=True)
+    else:
+        from safetensors.torch import load_file
+
+        loaded = load_file(model)
     reference = ws2.reference()["model"]
-    with safe_open(str(model), "pt") as handle:
-        assert set(handle.keys()) == set(reference)
-        for key in reference:
-            assert handle.get_tensor(key).equal(reference[key]), key
+    assert set(loaded) == set(reference)
+    for key in reference:
+        assert loaded[key].equal(reference[key]), key
 
 
 def test_a_failing_part_leaves_nothing_and_no_open_file(ws2, tmp_path, split_everything):
     """A damaged source under a split file: the error names the damage, no output, no staging
     folder, and the file every part was writing is closed."""
     damaged, key = damaged_copy(ws2.path, tmp_path / "damaged")
-    dst = tmp_path / "out"
     before = len(os.listdir("/proc/self/fd"))
-    with pytest.raises(ChecksumError, match=rf"__0_0\.distcp.*{key}"):
-        ckptkit.unshard(str(damaged), str(dst), to="safetensors", workers=4, progress=False)
-    assert split_everything  # the failure happened in a split file's parts
-    assert not dst.exists()
+    for to in ("torch", "safetensors"):
+        dst = tmp_path / to
+        with pytest.raises(ChecksumError, match=rf"__0_0\.distcp.*{key}"):
+            ckptkit.unshard(str(damaged), str(dst), to=to, workers=4, progress=False)
+        assert not dst.exists()
+    assert {"model.pt", "model.safetensors"} <= set(split_everything)  # failed in the parts
     assert len(os.listdir("/proc/self/fd")) == before
 
 
@@ -266,12 +298,17 @@ def test_api_under_torchrun_equals_one_process(ws2, mutant, tmp_path, nproc):
     script.write_text(API_UNDER_TORCHRUN)
     torchrun(script, tmp_path / "ranks", *sources, nproc=nproc)
     expected = api_report(sources, tmp_path / "one")
-    assert json.loads((tmp_path / "ranks" / "result.json").read_text()) == expected
+    report = json.loads((tmp_path / "ranks" / "result.json").read_text())
     (tmp_path / "ranks" / "result.json").unlink()
+    # DCP: a data file per rank, as torch's writer has; the same state
+    dcp_files = [name for name, *_ in report.pop("0-dcp")]
+    assert dcp_files == [f"__{r}_0.distcp" for r in range(nproc)] + [".metadata"]
+    expected.pop("0-dcp")
+    assert report == expected
+    assert_same_dcp(tmp_path / "one" / "0-dcp", tmp_path / "ranks" / "0-dcp", tmp_path)
+    shutil.rmtree(tmp_path / "one" / "0-dcp")
+    shutil.rmtree(tmp_path / "ranks" / "0-dcp")
     assert digests(tmp_path / "ranks") == digests(tmp_path / "one")
-    assert dcp_metadata_without_save_id(tmp_path / "ranks" / "0-dcp") == (
-        dcp_metadata_without_save_id(tmp_path / "one" / "0-dcp")
-    )
     assert not list((tmp_path / "ranks").rglob(".ckptkit-*"))  # no staging left behind
 
 

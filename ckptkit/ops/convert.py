@@ -177,9 +177,11 @@ def unshard(
     ``torch.load(weights_only=True)`` will refuse in the output. Memory stays at about the
     largest tensor; nothing appears under a final name unless everything succeeded.
 
-    The output files are a plan's work items: ``workers`` threads write several at once, and
-    inside an initialised torch.distributed process group (e.g. under ``torchrun``) each rank
-    writes its share, balanced by bytes, and the files appear only when every rank succeeded.
+    The output files are a plan's work items: ``workers`` threads write several at once (a
+    file larger than a worker's share is written by all of them, each its own byte ranges),
+    and inside an initialised torch.distributed process group (e.g. under ``torchrun``) each
+    rank writes its share, balanced by bytes, and the files appear only when every rank
+    succeeded.
 
     Args:
         src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
@@ -197,7 +199,7 @@ def unshard(
             set of rank files: :class:`~ckptkit.errors.TensorsLeftAsObjectsError`), which only
             ``"keep"`` writes back as pickled.
         exclude: globs of keys left out.
-        workers: threads writing output files at once.
+        workers: threads writing output files (or byte ranges of one) at once.
         names: ``"groups"`` (one file per group) or ``"transformers"`` (the ``model`` group
             under transformers' file names, ``to="safetensors"`` only; see :data:`Names`).
 
@@ -246,8 +248,8 @@ def convert(
 ) -> UnshardResult:
     """Write ``src`` into ``dst`` as format ``to``.
 
-    ``to="dcp"``: a DCP directory (``.metadata`` + ``__0_0.distcp``) that torch's ``dcp.load``
-    reads at any world size; chunks keep their boxes and records already in torch.save form are
+    ``to="dcp"``: a DCP directory (``.metadata`` + ``__0_0.distcp``, one data file per rank and
+    worker: ``__1_0.distcp``…) that torch's ``dcp.load`` reads at any world size; chunks keep their boxes and records already in torch.save form are
     copied byte for byte, so DCP → DCP with ``keys``/``groups`` is a cheap way to slim a
     checkpoint (e.g. drop the optimizer). ``"torch"`` / ``"safetensors"`` unshard.
 
@@ -262,8 +264,8 @@ def convert(
         progress: show a progress bar.
         objects: ``"keep"``, ``"drop"`` or ``"error"``, as for :func:`unshard`.
         exclude: globs of keys left out.
-        workers: threads writing output files at once (a DCP output is one data file: one
-            worker writes it).
+        workers: threads writing output files at once (a DCP output gets a data file per
+            worker).
         names: ``"groups"``, or ``"transformers"`` with ``to="safetensors"`` (as for
             :func:`unshard`).
 
@@ -344,8 +346,10 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     destination = Storage(dst, options.storage_options)
     result = UnshardResult(destination.describe())
     entries, values = _selected_values(source, options, result)
-    if target == "dcp":
-        tasks = [output_plans.dcp_task(entries, values)]
+    ranks = distributed.current()
+    if target == "dcp":  # a data file per rank and worker, as torch's writer has per rank
+        n_files = (ranks.world_size if ranks is not None else 1) * options.workers
+        tasks = output_plans.dcp_tasks(entries, values, n_files)
     elif options.names == "transformers":
         tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
         for key, kept in tied.items():
@@ -353,7 +357,6 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     else:
         tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
     names = [name for task in tasks for name in task.names]
-    ranks = distributed.current()
     total = sum(task.nbytes for task in tasks)
     label = "convert" if target == "dcp" else "unshard"
     published = False

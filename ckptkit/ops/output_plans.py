@@ -33,7 +33,7 @@ __all__ = [
     "Split",
     "Task",
     "WrittenFile",
-    "dcp_task",
+    "dcp_tasks",
     "tied_entries",
     "transformers_tasks",
     "unsharded_tasks",
@@ -53,8 +53,8 @@ class WrittenFile:
 @dataclass(frozen=True)
 class Task:
     """A unit of work of a plan: output file(s) written together, from ``entries``; ``split``,
-    when the file's layout is known before its bytes (safetensors), writes it as ``n`` parts
-    that workers run at once instead."""
+    when the file's layout is known before its bytes (safetensors, torch.save), writes it as
+    ``n`` parts that workers run at once instead."""
 
     names: list[str]
     entries: list[Entry]
@@ -146,36 +146,51 @@ def _stored_box(chunk: Chunk) -> tuple:
     return chunk.offsets, chunk.sizes, chunk.flat, where
 
 
-def dcp_task(entries: list[Entry], values: dict[str, Any]) -> Task:
-    """The one task writing ``entries`` as a DCP directory (data file + ``.metadata``)."""
-    tensors = [e for e in entries if e.kind == "tensor"]
-    write = functools.partial(_write_dcp, entries, values)
-    names = [dcp_writer.DATA_FILE, dcp_writer.METADATA]
-    return Task(names, tensors, sum(e.nbytes for e in tensors), write)
+def dcp_tasks(entries: list[Entry], values: dict[str, Any], n_files: int) -> list[Task]:
+    """The tasks writing ``entries`` as a DCP directory: up to ``n_files`` data files (runs
+    of consecutive entries of about equal bytes, one per rank and worker, as torch's writer
+    has one per rank) and the ``.metadata``, every record's place planned first, so each file
+    is written by whichever worker gets it. ``values`` holds the objects' values."""
+    sizes = [e.nbytes if e.kind == "tensor" else 1 for e in entries]
+    groups = [[entries[i] for i in run] for run in work.consecutive_runs(sizes, n_files)]
+    files = dcp_writer.plan_records(groups, lambda entry: values[entry.key])
+    tasks = []
+    for index, (group, records) in enumerate(zip(groups, files, strict=True)):
+        name = dcp_writer.data_file(index)
+        tensors = [e for e in group if e.kind == "tensor"]
+        counts = len(tensors), len(group) - len(tensors)
+        write = functools.partial(_write_dcp_file, name, records, counts)
+        tasks.append(Task([name], tensors, sum(e.nbytes for e in tensors), write))
+    metadata = dcp_writer.metadata_bytes([r for records in files for r in records], entries)
+    write = functools.partial(_write_bytes, dcp_writer.METADATA, metadata)
+    tasks.append(Task([dcp_writer.METADATA], [], 0, write))
+    return tasks
 
 
-def _write_dcp(
-    entries: list[Entry], values: dict[str, Any], output: AtomicOutput, copier: Copier
+def _write_dcp_file(
+    name: str,
+    records: list[dcp_writer.PlannedRecord],
+    counts: tuple[int, int],
+    output: AtomicOutput,
+    copier: Copier,
 ) -> list[WrittenFile]:
-    """Write ``entries`` as the DCP data file and its ``.metadata`` into ``output``. ``values``
-    holds the objects' values."""
-    with output.open(dcp_writer.DATA_FILE) as stream:
-        records = dcp_writer.write_records(
-            stream,
-            entries,
-            copy_record=copier.record,
-            chunk_bytes=copier.chunk,
-            object_value=lambda entry: values[entry.key],
+    """Write one DCP data file (``counts``: its tensors and objects), its records where the
+    ``.metadata`` says they are."""
+    with output.open(name) as stream:
+        dcp_writer.write_records(
+            stream, records, copy_record=copier.record, chunk_bytes=copier.chunk
         )
-        data_size = stream.tell()
-    metadata = dcp_writer.metadata_bytes(records, entries)
-    with output.open(dcp_writer.METADATA) as stream:
-        stream.write(metadata)
-    n_objects = len(values)
-    return [
-        WrittenFile(dcp_writer.DATA_FILE, data_size, len(entries) - n_objects, n_objects),
-        WrittenFile(dcp_writer.METADATA, len(metadata), 0, 0),
-    ]
+        size = stream.tell()
+    return [WrittenFile(name, size, *counts)]
+
+
+def _write_bytes(
+    name: str, data: bytes, output: AtomicOutput, _copier: Copier
+) -> list[WrittenFile]:
+    """Write a file whose bytes are known (a DCP ``.metadata``, an index)."""
+    with output.open(name) as stream:
+        stream.write(data)
+    return [WrittenFile(name, len(data), 0, 0)]
 
 
 class Copier:
@@ -273,7 +288,7 @@ class _TorchPlan(_Plan):
 
     def tasks(self) -> list[Task]:
         nbytes = sum(e.numel * _out_dtype(e.dtype, self.cast).itemsize for e in self.tensors)
-        return [Task(self.names, self.tensors, nbytes, self.write)]
+        return [Task(self.names, self.tensors, nbytes, self.write, self.split)]
 
     @property
     def tensors(self) -> list[Entry]:
@@ -290,8 +305,47 @@ class _TorchPlan(_Plan):
                 archive_name=output_names.encode_stem(self.group),
             )
             size = stream.tell()
+        return [self._written(name, size)]
+
+    def split(self, output: AtomicOutput, n: int) -> Split:
+        """The file as ``n`` runs of consecutive storages of about equal bytes, each written
+        at its place: the same bytes as :meth:`write`, by ``n`` workers."""
+        name = self.names[0]
+        structure, streamed = _structure(self.entries, self.values, self.cast)
+        archive = torch_save.RangedZip(structure, output_names.encode_stem(self.group))
+        file = output.open_ranges(name, archive.data_end)
+        try:
+            archive.write_records(file)
+        except BaseException:
+            file.close()
+            raise
+        storages = archive.streamed
+        slots = archive.slots
+
+        def write(run: range, copier: Copier) -> None:
+            for i in run:
+                slot = slots[storages[i]]
+                archive.write_storage(file, storages[i], copier.checked(streamed[id(slot)]))
+
+        def finish() -> list[WrittenFile]:
+            size = archive.finish(file)
+            file.close()
+            return [self._written(name, size)]
+
+        runs = work.consecutive_runs([slots[i].nbytes for i in storages], n)
+        parts = [
+            Part(
+                [streamed[id(slots[storages[i]])] for i in run],
+                sum(slots[storages[i]].nbytes for i in run),
+                functools.partial(write, run),
+            )
+            for run in runs
+        ]
+        return Split(parts, finish, file.close)
+
+    def _written(self, name: str, size: int) -> WrittenFile:
         objects = sum(e.kind == "object" for e in self.entries)
-        return [WrittenFile(name, size, len(self.entries) - objects, objects)]
+        return WrittenFile(name, size, len(self.entries) - objects, objects)
 
 
 def _plan_torch(
@@ -371,7 +425,8 @@ class _SafetensorsPlan(_Plan):
                 tasks.append(Task([name], [entry for _, entry in shard], nbytes, write, split))
         if len(self.shards) > 1:
             index = f"{self.stem}.safetensors.index.json"
-            tasks.append(Task([index], [], 0, lambda output, _copier: [self._write_index(output)]))
+            write = functools.partial(_write_bytes, index, self._index_bytes())
+            tasks.append(Task([index], [], 0, write))
         if self.objects:
             side = _TorchPlan(self.group, self.objects, self.values, name=f"{self.stem}.objects.pt")
             tasks += side.tasks()
@@ -433,7 +488,7 @@ class _SafetensorsPlan(_Plan):
         ]
         return Split(parts, finish, file.close)
 
-    def _write_index(self, output: AtomicOutput) -> WrittenFile:
+    def _index_bytes(self) -> bytes:
         """The HF ``*.safetensors.index.json`` naming each tensor's shard."""
         index = {
             "metadata": {
@@ -445,14 +500,9 @@ class _SafetensorsPlan(_Plan):
                 for item, _ in shard
             },
         }
-        name = f"{self.stem}.safetensors.index.json"
         if self.transformers:
-            data = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
-        else:
-            data = json.dumps(index, indent=2).encode()
-        with output.open(name) as stream:
-            stream.write(data)
-        return WrittenFile(name, len(data), 0, 0)
+            return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+        return json.dumps(index, indent=2).encode()
 
 
 def _plan_safetensors(

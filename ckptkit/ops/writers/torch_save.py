@@ -21,9 +21,9 @@ import math
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -38,11 +38,15 @@ from ...dtypes import DType
 from ...errors import MismatchError, PickleLimitError, UnsafePickleError, UsageError
 from ...reading import strided_view
 
+if TYPE_CHECKING:
+    from ...storage import RangedFile
+
 __all__ = [
     "ALIGNMENT",
     "WEIGHTS_ONLY_GLOBALS",
     "CheckedBytes",
     "PickledGlobals",
+    "RangedZip",
     "StoredZipWriter",
     "TensorSlot",
     "dumps",
@@ -89,115 +93,201 @@ class StoredZipWriter:
         :class:`CheckedBytes` pieces is combined from theirs (one CRC pass, not two)."""
         full = f"{self.prefix}/{name}".encode()
         offset = self.stream.tell() - self.start
-        zip64 = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
-        extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
-        header_len = 30 + len(full) + len(extra)
-        pad = -(offset + header_len + 4) % ALIGNMENT  # 4 = the padding field's own header
-        extra += struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
-        stored_size = _ZIP64_LIMIT if zip64 else size
-        version = 45 if zip64 else 20
+        header = _local_header(full, size, offset, 0)
         if size <= _SMALL_MEMBER:  # in memory already: CRC first, one write, no seek back
             data, crc = _joined_member(name, size, chunks)
-            self.stream.write(
-                _LOCAL_HEADER.pack(
-                    b"PK\x03\x04",
-                    version,
-                    0,
-                    0,
-                    0,
-                    0,
-                    crc,
-                    stored_size,
-                    stored_size,
-                    len(full),
-                    len(extra),
-                )  # fmt: skip
-                + full
-                + extra
-                + data
-            )
+            self.stream.write(_with_crc(header, crc) + data)
             self.members.append(_MemberInfo(full, offset, size, crc))
             return
-        header = _LOCAL_HEADER.pack(
-            b"PK\x03\x04", version, 0, 0, 0, 0, 0, stored_size, stored_size, len(full), len(extra)
-        )
-        self.stream.write(header + full + extra)
-        crc, written = 0, 0
-        for chunk in chunks:
-            if isinstance(chunk, CheckedBytes):  # its CRC is known: combine, do not recompute
-                crc = combine_crc(crc, chunk.crc32, len(chunk.data))
-                chunk = chunk.data
-            else:
-                crc = crc32(chunk, crc)
-            written += len(chunk)
-            self.stream.write(chunk)
-            del chunk  # let go of the piece (a reader's reused buffer) before the next is read
-        if written != size:
-            raise MismatchError(f"member {name!r}: {written} bytes written, {size} announced")
+        self.stream.write(header)
+        crc = _write_member_data(name, size, chunks, self.stream.write)
         end = self.stream.tell()
-        self.stream.seek(self.start + offset + 14)
+        self.stream.seek(self.start + offset + _CRC_AT)
         self.stream.write(struct.pack("<I", crc))
         self.stream.seek(end)
         self.members.append(_MemberInfo(full, offset, size, crc))
 
     def close(self) -> None:
         """Write the central directory (and zip64 end records when any field overflows)."""
-        cd_start = self.stream.tell() - self.start
-        entries: list[bytes] = []
-        for m in self.members:
-            zip64 = m.size >= _ZIP64_LIMIT or m.offset >= _ZIP64_LIMIT
-            extra = struct.pack("<HHQQQ", 0x0001, 24, m.size, m.size, m.offset) if zip64 else b""
-            size = _ZIP64_LIMIT if zip64 else m.size
-            offset = _ZIP64_LIMIT if zip64 else m.offset
-            entries.append(
-                _CENTRAL_HEADER.pack(
-                    b"PK\x01\x02",
-                    45,
-                    45 if zip64 else 20,
-                    0,
-                    0,
-                    0,
-                    0,
-                    m.crc,
-                    size,
-                    size,
-                    len(m.name),
-                    len(extra),
-                    0,
-                    0,
-                    0,
-                    0,
-                    offset,
-                )  # fmt: skip
-                + m.name
-                + extra
-            )
-            if len(entries) == _CENTRAL_BATCH:  # many members: a write per batch, not each
-                self.stream.write(b"".join(entries))
-                entries.clear()
-        if entries:
-            self.stream.write(b"".join(entries))
-        cd_end = self.stream.tell() - self.start
-        count, cd_size = len(self.members), cd_end - cd_start
-        if count >= 0xFFFF or cd_start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
-            self.stream.write(
-                struct.pack(
-                    "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, cd_size, cd_start
-                )
-            )
-            self.stream.write(struct.pack("<4sIQI", b"PK\x06\x07", 0, cd_end, 1))
-            count16, cd_size32, cd_start32 = 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT
-        else:
-            count16, cd_size32, cd_start32 = count, cd_size, cd_start
-        self.stream.write(
-            struct.pack(
-                "<4sHHHHIIH", b"PK\x05\x06", 0, 0, count16, count16, cd_size32, cd_start32, 0
-            )
+        for part in _central_directory(self.members, self.stream.tell() - self.start):
+            self.stream.write(part)
+
+
+class RangedZip:
+    """A torch.save zip whose layout is known before its storages' bytes: the same bytes as
+    :func:`write`, but each storage may be written by any thread at its place
+    (:meth:`write_storage`) once :meth:`write_records` wrote the pickle and small records;
+    :meth:`finish` then adds the central directory after the :attr:`data_end` bytes of the
+    members."""
+
+    def __init__(self, structure: Any, archive_name: str = "archive") -> None:
+        pickled, self.slots = dumps(structure)
+        members = _members(pickled, self.slots)
+        self._contents: list[bytes | TensorSlot] = []
+        self._headers: list[bytes] = []
+        self._members: list[_MemberInfo] = []
+        offset = 0
+        for name, content in members:
+            full = f"{archive_name}/{name}".encode()
+            size = content.nbytes if isinstance(content, TensorSlot) else len(content)
+            header = _local_header(full, size, offset, 0)
+            self._contents.append(content)
+            self._headers.append(header)
+            self._members.append(_MemberInfo(full, offset, size, 0))
+            offset += len(header) + size
+        self.data_end = offset
+
+    @property
+    def size(self) -> int:
+        """The file's size once finished (the central directory's length does not depend on
+        the CRCs still to come)."""
+        return self.data_end + sum(map(len, _central_directory(self._members, self.data_end)))
+
+    @property
+    def streamed(self) -> list[int]:
+        """The storages whose bytes come from a producer (not in memory already), by index
+        into :attr:`slots`."""
+        return [i for i, slot in enumerate(self.slots) if slot.data is None]
+
+    def write_records(self, file: RangedFile) -> None:
+        """Write every member whose bytes are known: the pickle, the small records, and the
+        storages already in memory."""
+        for i, content in enumerate(self._contents):
+            data = content.data if isinstance(content, TensorSlot) else content
+            if data is not None:
+                crc = crc32(data)
+                self._set_crc(i, crc)
+                file.write_at(self._members[i].offset, _with_crc(self._headers[i], crc) + data)
+
+    def write_storage(
+        self, file: RangedFile, index: int, chunks: Iterable[bytes | memoryview | CheckedBytes]
+    ) -> None:
+        """Write storage ``index`` (of :attr:`slots`) from its pieces, then its header with
+        their CRC-32; another thread may be writing another storage meanwhile."""
+        member = _FIRST_STORAGE + index
+        info, header = self._members[member], self._headers[member]
+        write = file.writer_at(info.offset + len(header))
+        crc = _write_member_data(info.name.decode(), info.size, chunks, write)
+        self._set_crc(member, crc)
+        file.write_at(info.offset, _with_crc(header, crc))
+
+    def finish(self, file: RangedFile) -> int:
+        """Write the central directory after the members (every storage written); the
+        file's size."""
+        write = file.writer_at(self.data_end)
+        size = self.data_end
+        for part in _central_directory(self._members, self.data_end):
+            write(part)
+            size += len(part)
+        return size
+
+    def _set_crc(self, member: int, crc: int) -> None:
+        self._members[member] = self._members[member]._replace(crc=crc)
+
+
+def _local_header(full: bytes, size: int, offset: int, crc: int) -> bytes:
+    """The local header of member ``full`` of ``size`` bytes at ``offset`` (zip64 fields when
+    needed), padded so its data starts 64-byte aligned as torch's writer pads; its length does
+    not depend on ``crc``."""
+    zip64 = size >= _ZIP64_LIMIT or offset >= _ZIP64_LIMIT
+    extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if zip64 else b""
+    header_len = 30 + len(full) + len(extra)
+    pad = -(offset + header_len + 4) % ALIGNMENT  # 4 = the padding field's own header
+    extra += struct.pack("<HH", _PAD_TAG, pad) + b"Z" * pad
+    stored_size = _ZIP64_LIMIT if zip64 else size
+    version = 45 if zip64 else 20
+    return (
+        _LOCAL_HEADER.pack(
+            b"PK\x03\x04", version, 0, 0, 0, 0, crc, stored_size, stored_size, len(full), len(extra)
         )
+        + full
+        + extra
+    )
 
 
-#: A zip member's local header (its CRC-32 at byte 14).
+def _with_crc(header: bytes, crc: int) -> bytes:
+    """A local header with its CRC-32 field set."""
+    return header[:_CRC_AT] + struct.pack("<I", crc) + header[_CRC_AT + 4 :]
+
+
+def _write_member_data(
+    name: str, size: int, chunks: Iterable[bytes | memoryview | CheckedBytes], write: Callable
+) -> int:
+    """``write`` a member's pieces in order; their CRC-32 (combined from those of
+    :class:`CheckedBytes`, computed for the others). Refused unless they are ``size`` bytes."""
+    crc, written = 0, 0
+    for chunk in chunks:
+        if isinstance(chunk, CheckedBytes):  # its CRC is known: combine, do not recompute
+            crc = combine_crc(crc, chunk.crc32, len(chunk.data))
+            chunk = chunk.data
+        else:
+            crc = crc32(chunk, crc)
+        written += len(chunk)
+        write(chunk)
+        del chunk  # let go of the piece (a reader's reused buffer) before the next is read
+    if written != size:
+        raise MismatchError(f"member {name!r}: {written} bytes written, {size} announced")
+    return crc
+
+
+def _central_directory(members: list[_MemberInfo], cd_start: int) -> Iterator[bytes]:
+    """The central directory of ``members`` starting at ``cd_start`` and the end records
+    (zip64 ones when any field overflows), in batches of entries."""
+    entries: list[bytes] = []
+    cd_size = 0
+    for m in members:
+        zip64 = m.size >= _ZIP64_LIMIT or m.offset >= _ZIP64_LIMIT
+        extra = struct.pack("<HHQQQ", 0x0001, 24, m.size, m.size, m.offset) if zip64 else b""
+        size = _ZIP64_LIMIT if zip64 else m.size
+        offset = _ZIP64_LIMIT if zip64 else m.offset
+        entries.append(
+            _CENTRAL_HEADER.pack(
+                b"PK\x01\x02",
+                45,
+                45 if zip64 else 20,
+                0,
+                0,
+                0,
+                0,
+                m.crc,
+                size,
+                size,
+                len(m.name),
+                len(extra),
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )  # fmt: skip
+            + m.name
+            + extra
+        )
+        if len(entries) == _CENTRAL_BATCH:  # many members: a write per batch, not each
+            batch = b"".join(entries)
+            cd_size += len(batch)
+            yield batch
+            entries.clear()
+    if entries:
+        batch = b"".join(entries)
+        cd_size += len(batch)
+        yield batch
+    cd_end = cd_start + cd_size
+    count = len(members)
+    if count >= 0xFFFF or cd_start >= _ZIP64_LIMIT or cd_size >= _ZIP64_LIMIT:
+        yield struct.pack(
+            "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, cd_size, cd_start
+        )
+        yield struct.pack("<4sIQI", b"PK\x06\x07", 0, cd_end, 1)
+        count16, cd_size32, cd_start32 = 0xFFFF, _ZIP64_LIMIT, _ZIP64_LIMIT
+    else:
+        count16, cd_size32, cd_start32 = count, cd_size, cd_start
+    yield struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, count16, count16, cd_size32, cd_start32, 0)
+
+
+#: A zip member's local header, and where its CRC-32 is.
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_CRC_AT = 14
 #: A central directory entry's fixed part, and how many entries are written at once.
 _CENTRAL_HEADER = struct.Struct("<4sHHHHHHIIIHHHHHII")
 _CENTRAL_BATCH = 4096
@@ -729,13 +819,26 @@ def write(
     """Write ``structure`` as a torch.save zip; ``produce(slot)`` yields each streamed tensor's bytes."""
     pickled, slots = dumps(structure)
     zip_writer = StoredZipWriter(stream, archive_name)
-    zip_writer.write("data.pkl", pickled)
-    zip_writer.write(".format_version", b"1")
-    zip_writer.write(".storage_alignment", str(ALIGNMENT).encode())
-    zip_writer.write("byteorder", b"little")
-    for slot in slots:
-        chunks = [slot.data] if slot.data is not None else produce(slot)
-        zip_writer.write_chunks(f"data/{slot.key}", slot.nbytes, chunks)
-    zip_writer.write("version", b"3\n")
+    for name, content in _members(pickled, slots):
+        if not isinstance(content, TensorSlot):
+            zip_writer.write(name, content)
+        else:
+            chunks = [content.data] if content.data is not None else produce(content)
+            zip_writer.write_chunks(name, content.nbytes, chunks)
     zip_writer.close()
     return slots
+
+
+def _members(pickled: bytes, slots: list[TensorSlot]) -> list[tuple[str, bytes | TensorSlot]]:
+    """The members of a torch.save zip in torch's order: the pickle, three small records, the
+    storages (:data:`_FIRST_STORAGE` is the first's index), ``version``."""
+    records: list[tuple[str, bytes | TensorSlot]] = [
+        ("data.pkl", pickled),
+        (".format_version", b"1"),
+        (".storage_alignment", str(ALIGNMENT).encode()),
+        ("byteorder", b"little"),
+    ]
+    return [*records, *((f"data/{slot.key}", slot) for slot in slots), ("version", b"3\n")]
+
+
+_FIRST_STORAGE = 4
