@@ -183,6 +183,23 @@ def test_one_file_written_by_workers_is_the_file_one_process_writes(
         assert loaded[key].equal(reference[key]), key
 
 
+def test_split_zip64_records_are_the_sequential_writers(
+    ws2, tmp_path, split_everything, monkeypatch
+):
+    """zip64 fields (offsets and sizes past 4 GiB, forced here by a lower limit) written by
+    workers at their places are byte for byte those one worker writes in order."""
+    from ckptkit.ops.writers import torch_save
+
+    monkeypatch.setattr(torch_save, "_ZIP64_LIMIT", 4096)
+    for workers in (1, 4):
+        ckptkit.unshard(
+            str(ws2.path), str(tmp_path / str(workers)), workers=workers, progress=False
+        )
+    assert b"PK\x06\x06" in (tmp_path / "1" / "model.pt").read_bytes()  # zip64 end record
+    assert digests(tmp_path / "1") == digests(tmp_path / "4")
+    assert "model.pt" in split_everything
+
+
 def test_a_failing_part_leaves_nothing_and_no_open_file(ws2, tmp_path, split_everything):
     """A damaged source under a split file: the error names the damage, no output, no staging
     folder, and the file every part was writing is closed."""
