@@ -7,14 +7,19 @@ ranks holding DTensors: fp32 row-sharded (``Shard(0)``, case ``rows``), fp32 col
 (``Shard(1)``, ``cols``) and bf16 row-sharded (``rows-bf16``). Then measures in fresh
 processes: ``cp -r`` of the directory (in-kernel copy), the plain Python copy (a fresh
 interpreter ``readinto`` a reused 16 MiB buffer + ``write``: the user-space floor every target
-is compared with), ``dcp_to_torch_save`` (anchor), ``ckptkit.unshard(to="safetensors")`` and
-``ckptkit.unshard(to="torch")``; checks once that ckptkit's outputs are bit-equal to torch's.
+is compared with), ``dcp_to_torch_save`` (anchor), ``ckptkit.unshard(to="safetensors")``, the
+same into 256 MiB shards (``max_shard_size``: ``model-0000i-of-0000n.safetensors`` + index)
+and ``ckptkit.unshard(to="torch")``; checks once that ckptkit's outputs are bit-equal to torch's.
+The default run (3 cases x 1.5 GiB, 3 rounds) takes ~6 min on an idle 2-core machine.
+``--large`` adds the case ``rows-large``: bench_scale's cached 4 GiB fp32 row-sharded source
+(the same seeded tensors; ``--large N`` for N tensors), off by default because it adds ~3 min
+per round and 16 GiB of outputs kept for the check.
 ``--chunks 100000 500000`` measures the per-chunk cost instead (or as well, with ``--layouts``):
 DCPs of that many small chunks (row-sharded [4, 8] fp32 DTensors, 2 gloo ranks, ``dcp.save``),
 µs per chunk for ckptkit → safetensors / → torch against the goal, beside ``dcp_to_torch_save``
 (stopped after ``ANCHOR_LIMIT_S`` and reported as skipped).
 Usage: ``python benchmarks/bench_unshard.py [--repeat N] [--layouts rows cols rows-bf16]
-[--tensors N] [--work-root DIR] [--chunks N ...]``.
+[--tensors N] [--large [N]] [--work-root DIR] [--chunks N ...]``.
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ SHAPE = (16384, 1024)  # float32: 64 MiB per tensor, 1.5 GiB in all
 WORLD_SIZE = 2
 #: case name -> (the dimension DTensors are sharded along, their dtype)
 LAYOUTS = {"rows": (0, "float32"), "cols": (1, "float32"), "rows-bf16": (0, "bfloat16")}
+#: The optional large case (``--large``): a ``rows`` checkpoint of this many tensors (4 GiB),
+#: read from bench_scale's cache (same generator seeds and keys) so it is generated once.
+LARGE = "rows-large"
+LARGE_TENSORS = 64
+SHARD_SIZE = "256MiB"  # the sharded safetensors target
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 GENERATOR_VERSION = 1
 GOAL_VS_TORCH = 0.15  # ckptkit wall <= 0.15 x dcp_to_torch_save
@@ -73,8 +83,10 @@ CP = "cp -r (in-kernel copy)"
 PY_COPY = f"plain python copy (readinto {COPY_BUFFER_MIB} MiB + write)"
 TORCH = "torch dcp_to_torch_save"
 SAFETENSORS = "ckptkit unshard to=safetensors"
+SHARDED = f"ckptkit unshard to=safetensors max_shard_size={SHARD_SIZE}"
 TORCH_SAVE = "ckptkit unshard to=torch"
-TOOLS = [CP, PY_COPY, TORCH, SAFETENSORS, TORCH_SAVE]
+TOOLS = [CP, PY_COPY, TORCH, SAFETENSORS, SHARDED, TORCH_SAVE]
+CKPTKIT_TOOLS = (SAFETENSORS, SHARDED, TORCH_SAVE)  # the rows with goals
 BASE_CKPTKIT = "baseline: import ckptkit + open"
 BASE_CKPTKIT_TORCH = "baseline: import ckptkit, torch + open"
 BASE_TORCH = "baseline: import torch.distributed.checkpoint"
@@ -89,9 +101,14 @@ def key_name(i: int) -> str:
     return f"layers.{i}.weight"
 
 
+def layout_of(case: str) -> str:
+    """The layout (``LAYOUTS`` key) of a case: itself, or ``rows`` for the large case."""
+    return "rows" if case == LARGE else case
+
+
 def tensor_mib(layout: str) -> float:
     """MiB of one tensor of case ``layout`` (the largest: all are the same)."""
-    return SHAPE[0] * SHAPE[1] * ITEMSIZE[LAYOUTS[layout][1]] / 2**20
+    return SHAPE[0] * SHAPE[1] * ITEMSIZE[LAYOUTS[layout_of(layout)][1]] / 2**20
 
 
 def full_tensor(i: int, dtype: str = "float32"):
@@ -138,7 +155,12 @@ def write_source(
 
 def ensure_source(layout: str, n_tensors: int = N_TENSORS) -> Path:
     """The cached checkpoint for case ``layout`` of ``n_tensors`` tensors, generated in a
-    child process if missing (fp32 ones keep the names and parameters bench_stats shares)."""
+    child process if missing (fp32 ones keep the names and parameters bench_stats shares; the
+    large case is bench_scale's source, so the 4 GiB exist once on disk)."""
+    if layout == LARGE:
+        from bench_scale import ensure_source as scale_source  # imports this module: lazily
+
+        return scale_source(layout_of(layout), n_tensors)
     shard_dim, dtype = LAYOUTS[layout]
     params: dict[str, Any] = {
         "tensors": n_tensors,
@@ -248,10 +270,11 @@ def tool_argv(tool: str, src: Path, dst: Path) -> list[str]:
             "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save",
             f"dcp_to_torch_save({str(src)!r}, {str(dst / 'model.pt')!r})",
         )
-    target = "safetensors" if tool == SAFETENSORS else "torch"
+    target = "torch" if tool == TORCH_SAVE else "safetensors"
+    shards = f", max_shard_size={SHARD_SIZE!r}" if tool == SHARDED else ""
     return _child(
         "import ckptkit",
-        f"ckptkit.unshard({str(src)!r}, {str(dst)!r}, to={target!r}, progress=False)",
+        f"ckptkit.unshard({str(src)!r}, {str(dst)!r}, to={target!r}{shards}, progress=False)",
     )
 
 
@@ -316,29 +339,43 @@ def jobs(sources: dict[str, Path], repeat: int) -> dict[str, Callable[[], Run]]:
 
 
 def verify(layout: str) -> dict[str, Any]:
-    """Compare ckptkit's outputs of the last round with ``dcp_to_torch_save``'s, in a child."""
+    """Compare ckptkit's outputs of the last round with ``dcp_to_torch_save``'s, in a child;
+    the sharded target through its index (or its one file, when everything fit in a shard)."""
     torch_out = output_dir(layout, TORCH) / "model.pt"
     pt = output_dir(layout, TORCH_SAVE) / "model.pt"
     st = output_dir(layout, SAFETENSORS) / "model.safetensors"
+    sharded = output_dir(layout, SHARDED)
     code = f"""
+        import os
         import torch
         from safetensors import safe_open
         expected = torch.load({str(torch_out)!r}, mmap=True, weights_only=True)["model"]
         ours = torch.load({str(pt)!r}, mmap=True, weights_only=True)
+        index = os.path.join({str(sharded)!r}, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = _json.load(f)["weight_map"]
+        else:
+            weight_map = dict.fromkeys(expected, "model.safetensors")
+        files = sorted(set(weight_map.values()))
+        written = sorted(n for n in os.listdir({str(sharded)!r}) if n.endswith(".safetensors"))
+        assert files == written, f"index {{files}} != files {{written}}"
+        shards = {{n: safe_open(os.path.join({str(sharded)!r}, n), "pt") for n in files}}
+        assert sum(len(s.keys()) for s in shards.values()) == len(expected), "shard keys"
         checked, bad = 0, []
         with safe_open({str(st)!r}, framework="pt") as st:
-            assert set(st.keys()) == set(ours) == set(expected), "keys differ"
+            assert set(st.keys()) == set(ours) == set(expected) == set(weight_map), "keys differ"
             for key, want in expected.items():
-                for got in (ours[key], st.get_tensor(key)):
+                for got in (ours[key], st.get_tensor(key), shards[weight_map[key]].get_tensor(key)):
                     same = got.dtype == want.dtype and got.shape == want.shape and torch.equal(
                         got.view(torch.uint8), want.view(torch.uint8))
                     if not same:
                         bad.append(key)
                     checked += 1
-        _report(checked=checked, bad=bad, keys=len(expected))
+        _report(checked=checked, bad=bad, keys=len(expected), shard_files=files)
         """
     result = run(python_argv(code)).report
-    for tool in (TORCH, SAFETENSORS, TORCH_SAVE):
+    for tool in (TORCH, *CKPTKIT_TOOLS):
         remove(output_dir(layout, tool))
     return result
 
@@ -374,7 +411,7 @@ def baseline_for(tool: str, stats: dict[str, dict[str, float]], torch_loaded: bo
 
 
 def report(
-    stats: dict[str, dict[str, float]], layouts: list[str], repeat: int, n_tensors: int
+    stats: dict[str, dict[str, float]], layouts: list[str], repeat: int, counts: dict[str, int]
 ) -> tuple[str, dict]:
     """The markdown table and the goal lines, plus goal verdicts per layout and target: every
     row as a ratio to the plain Python copy of the same bytes and to ``dcp_to_torch_save``."""
@@ -425,7 +462,7 @@ def report(
                     ratio(s["op_cpu_s"], anchor["op_cpu_s"]),
                 ]
             )
-            if tool not in (SAFETENSORS, TORCH_SAVE):
+            if tool not in CKPTKIT_TOOLS:
                 continue
             vs_torch = s["op_s"] / anchor["op_s"]
             vs_copy = s["op_s"] / copy["op_s"]
@@ -462,7 +499,7 @@ def report(
                     f"  (over `import ckptkit + open` alone: {plain:.0f} MiB, the torch import "
                     "included)"
                 )
-        total_mib = n_tensors * tensor_mib(layout)
+        total_mib = counts[layout] * tensor_mib(layout)
         torch_over = anchor["peak_rss_mib"] - stats[BASE_TORCH]["peak_rss_mib"]
         lines.append(
             f"- {layout}, torch dcp_to_torch_save: RSS over its baseline {torch_over:.0f} MiB "
@@ -637,6 +674,11 @@ def main() -> None:
         help=f"tensors of {list(SHAPE)} per checkpoint (default {N_TENSORS}; 12: 768 MiB fp32)",
     )  # fmt: skip
     parser.add_argument(
+        "--large", type=int, nargs="?", const=LARGE_TENSORS, default=0, metavar="N",
+        help=f"add the case {LARGE}: bench_scale's fp32 rows source of N tensors (default "
+        f"{LARGE_TENSORS}: 4 GiB; ~3 min per round, 16 GiB of outputs kept for the check)",
+    )  # fmt: skip
+    parser.add_argument(
         "--work-root", type=Path, default=None,
         help="write the measured outputs under this folder (e.g. /dev/shm: no disk)",
     )  # fmt: skip
@@ -652,12 +694,18 @@ def main() -> None:
         args.layouts = [] if args.chunks else list(LAYOUTS)
     if args.chunks:
         main_chunks(args.chunks, args.repeat)
-    if not args.layouts:
+    counts = dict.fromkeys(args.layouts, args.tensors) | ({LARGE: args.large} if args.large else {})
+    if not counts:
         return
+    main_cases(counts, args.repeat)
 
+
+def main_cases(counts: dict[str, int], repeat: int) -> None:
+    """Measure every case (case name -> tensors), verify, print the table, write the JSON."""
+    cases = list(counts)
     env_before = environment()
     start = time.perf_counter()
-    sources = {layout: ensure_source(layout, args.tensors) for layout in args.layouts}
+    sources = {case: ensure_source(case, n) for case, n in counts.items()}
     sizes = {layout: source_mib(path) for layout, path in sources.items()}
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -667,25 +715,24 @@ def main() -> None:
             remove(WORK / "warmup")
             subprocess.run(["cp", "-r", str(src), str(WORK / "warmup")], check=True)
             remove(WORK / "warmup")
-        runs = repeat_interleaved(jobs(sources, args.repeat), args.repeat)
+        runs = repeat_interleaved(jobs(sources, repeat), repeat)
         checks = {}
-        for layout in args.layouts:
+        for layout in cases:
             progress(f"verifying {layout}: ckptkit outputs vs dcp_to_torch_save")
             checks[layout] = verify(layout)
-            if checks[layout]["bad"] or checks[layout]["keys"] != args.tensors:
+            if checks[layout]["bad"] or checks[layout]["keys"] != counts[layout]:
                 raise SystemExit(f"{layout}: outputs differ from dcp_to_torch_save: {checks}")
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
 
     stats = summarize(runs)
-    text, goals = report(stats, args.layouts, args.repeat, args.tensors)
+    text, goals = report(stats, cases, repeat, counts)
     print(
-        f"## bench_unshard: {args.tensors} x {list(SHAPE)} per case, DCP from {WORLD_SIZE} "
-        "ranks ("
+        f"## bench_unshard: {list(SHAPE)} tensors, DCP from {WORLD_SIZE} ranks ("
         + ", ".join(
-            f"{k}: {LAYOUTS[k][1]} {args.tensors * tensor_mib(k):.0f} MiB, "
+            f"{k}: {counts[k]} x {LAYOUTS[layout_of(k)][1]} {counts[k] * tensor_mib(k):.0f} MiB, "
             f"{sizes[k]:.0f} MiB on disk"
-            for k in args.layouts
+            for k in cases
         )
         + ")\n"
     )
@@ -693,8 +740,8 @@ def main() -> None:
     print(
         "\nChecked: "
         + "; ".join(
-            f"{layout}: {c['keys']} tensors x (model.pt, model.safetensors) bit-equal to "
-            "dcp_to_torch_save"
+            f"{layout}: {c['keys']} tensors x (model.pt, model.safetensors, "
+            f"{len(c['shard_files'])} {SHARD_SIZE} shard file(s)) bit-equal to dcp_to_torch_save"
             for layout, c in checks.items()
         )
     )
@@ -707,13 +754,14 @@ def main() -> None:
         {
             "benchmark": "bench_unshard",
             "params": {
-                "tensors": args.tensors,
+                "tensors": counts,
                 "shape": list(SHAPE),
                 "world_size": WORLD_SIZE,
-                "layouts": {k: LAYOUTS[k] for k in args.layouts},
+                "layouts": {k: LAYOUTS[layout_of(k)] for k in cases},
                 "source_mib": sizes,
+                "max_shard_size": SHARD_SIZE,
             },
-            "repeat": args.repeat,
+            "repeat": repeat,
             "environment": {"before": env_before, "after_loadavg": list(os.getloadavg())},
             "medians": stats,
             "goals": goals,
