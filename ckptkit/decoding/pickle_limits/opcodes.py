@@ -13,7 +13,7 @@ from .limits import Limits, limit_error
 
 __all__ = ["COUNTED", "STOP", "OpcodeParser", "scan", "scan_pieces"]
 
-STOP, _FRAME, _LONG_BINPUT, _PUT = 0x2E, 0x95, 0x72, 0x70
+STOP, _FRAME, _LONG_BINPUT, _PUT, _SHORT_BINUNICODE = 0x2E, 0x95, 0x72, 0x70, 0x8C
 #: Opcodes without argument whose only effect is on the unpickler's stack.
 _NO_ARG = b"(0125N\x88\x89]aelt\x85\x86\x87)}dsu\x8f\x90\x91Rb\x81\x92o\x93\x94Q"
 #: Total length (opcode + argument) of opcodes with a fixed-size argument.
@@ -222,12 +222,20 @@ def scan_pieces(pieces: Sequence[bytes | memoryview], limits: Limits, source: st
         base, frame_end = base + pos, frame_end - pos if frame_end >= 0 else -1
         parser = OpcodeParser(window, limits, source, base=base, total=total)
         parser.frame_end = frame_end
-        pos = 0
+        pos, n = 0, parser.n
         try:
             while True:
-                pos = _SKIP(window, pos, parser.end()).end()
-                if pos >= parser.n:
-                    raise _NeedMore(parser.n + 1)
+                end = parser.end()
+                pos = _SKIP(window, pos, end).end()
+                if pos >= n:
+                    raise _NeedMore(n + 1)
+                if window[pos] == _SHORT_BINUNICODE and pos + 1 < min(end, n):
+                    # the keys and names: most of what the pattern cannot skip, stepped over
+                    # here without a call (whole inside the frame and the window, else below)
+                    after = pos + 2 + window[pos + 1]
+                    if after <= min(end, n):
+                        pos = after
+                        continue
                 op, after, _ = parser.step(pos)
                 if op == STOP:
                     return
