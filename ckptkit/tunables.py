@@ -35,9 +35,9 @@ BATCH_BYTES = 64 << 20
 #: Rows of a tensor whose chunks do not tile its first dimension (column or block shards) are
 #: assembled this many bytes at a time and streamed.
 ROW_BLOCK_BYTES = 4 << 20
-#: With ``workers`` > 1, an output file (torch.save, a safetensors shard) holding more than a worker's share
-#: of the bytes, and at least this many, is written by several workers at once, each its own
-#: byte ranges; smaller ones stay one worker's.
+#: With ``workers`` > 1, an output file (torch.save, a safetensors shard) holding more than a
+#: worker's share of the bytes, and at least this many, is written by several workers at once,
+#: each its own byte ranges; smaller ones stay one worker's.
 SPLIT_FILE_BYTES = 64 << 20
 #: Elements handled at once by diff, stats, plots and the browser; float64 working arrays then
 #: stay at a few × 8 MB.

@@ -249,9 +249,10 @@ def convert(
     """Write ``src`` into ``dst`` as format ``to``.
 
     ``to="dcp"``: a DCP directory (``.metadata`` + ``__0_0.distcp``, one data file per rank and
-    worker: ``__1_0.distcp``…) that torch's ``dcp.load`` reads at any world size; chunks keep their boxes and records already in torch.save form are
-    copied byte for byte, so DCP → DCP with ``keys``/``groups`` is a cheap way to slim a
-    checkpoint (e.g. drop the optimizer). ``"torch"`` / ``"safetensors"`` unshard.
+    worker: ``__1_0.distcp``…) that torch's ``dcp.load`` reads at any world size; chunks keep
+    their boxes and records already in torch.save form are copied byte for byte, so DCP → DCP
+    with ``keys``/``groups`` is a cheap way to slim a checkpoint (e.g. drop the optimizer).
+    ``"torch"`` / ``"safetensors"`` unshard.
 
     Args:
         src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
