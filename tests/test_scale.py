@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -327,6 +328,98 @@ def test_api_under_torchrun_equals_one_process(ws2, mutant, tmp_path, nproc):
     shutil.rmtree(tmp_path / "ranks" / "0-dcp")
     assert digests(tmp_path / "ranks") == digests(tmp_path / "one")
     assert not list((tmp_path / "ranks").rglob(".ckptkit-*"))  # no staging left behind
+
+
+#: Every rank writes byte ranges of one file (the sample is small: every file is split).
+#: argv: out_dir, source, workers; rank 0 writes result.json.
+SHARED_UNDER_TORCHRUN = r"""
+import json, os, sys
+import torch.distributed as dist
+import ckptkit
+
+ckptkit.tunables.SPLIT_FILE_BYTES = 0
+dist.init_process_group("gloo")
+out, src, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+report = {}
+for to in ("torch", "safetensors"):
+    result = ckptkit.unshard(src, os.path.join(out, to), to=to, workers=workers, progress=False)
+    report[to] = [[f.name, f.nbytes, f.tensors, f.objects] for f in result.files]
+if dist.get_rank() == 0:
+    with open(os.path.join(out, "result.json"), "w") as handle:
+        json.dump(report, handle)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize(("nproc", "workers"), [(2, 1), (2, 2)])
+def test_ranks_write_byte_ranges_of_one_file(ws2, tmp_path, nproc, workers):
+    """A file larger than a rank's share (the optimizer's ``optim.pt`` / ``optim.safetensors``)
+    written by every rank (each its parts, on its threads), staged and published by one: the
+    files one process writes, bit for bit, and nothing left behind."""
+    import json
+
+    script = tmp_path / "job.py"
+    script.write_text(SHARED_UNDER_TORCHRUN)
+    logs = tmp_path / "logs"
+    torchrun(
+        script,
+        tmp_path / "ranks",
+        ws2.path,
+        workers,
+        nproc=nproc,
+        env={"CKPTKIT_RANK_LOGS": str(logs)},
+    )
+    report = json.loads((tmp_path / "ranks" / "result.json").read_text())
+    (tmp_path / "ranks" / "result.json").unlink()
+    expected = {}
+    for to in ("torch", "safetensors"):
+        result = ckptkit.unshard(str(ws2.path), str(tmp_path / "one" / to), to=to, progress=False)
+        expected[to] = [[f.name, f.nbytes, f.tensors, f.objects] for f in result.files]
+    assert report == expected
+    assert digests(tmp_path / "ranks") == digests(tmp_path / "one")
+    assert not list((tmp_path / "ranks").rglob(".ckptkit-*"))
+    for rank in range(nproc):  # each rank wrote parts of the largest file of each target
+        text = (logs / f"rank{rank}.log").read_text()
+        for name in ("optim.pt", "optim.safetensors"):
+            found = re.search(rf"writing (\d+) of the (\d+) parts of {re.escape(name)} ", text)
+            assert found and int(found[1]) >= 1 and int(found[2]) == nproc * workers, text
+
+
+#: As above, on a damaged source: each rank records the error it raised. argv: out, source.
+SHARED_FAILING = r"""
+import json, os, sys
+import torch.distributed as dist
+import ckptkit
+
+ckptkit.tunables.SPLIT_FILE_BYTES = 0
+dist.init_process_group("gloo")
+out, src = sys.argv[1], sys.argv[2]
+try:
+    ckptkit.unshard(src, os.path.join(out, "dst"), progress=False)
+    raised = None
+except Exception as exc:
+    raised = [type(exc).__name__, str(exc)]
+with open(os.path.join(out, f"error{dist.get_rank()}.json"), "w") as handle:
+    json.dump(raised, handle)
+dist.destroy_process_group()
+"""
+
+
+def test_a_damaged_part_of_a_shared_file_fails_every_rank_and_leaves_nothing(ws2, tmp_path):
+    import json
+
+    damaged, key = damaged_copy(ws2.path, tmp_path / "damaged")
+    assert key.startswith("optim.")  # inside the file the ranks share
+    script = tmp_path / "job.py"
+    script.write_text(SHARED_FAILING)
+    out = tmp_path / "out"
+    out.mkdir()
+    torchrun(script, out, damaged)
+    errors = [json.loads((out / f"error{rank}.json").read_text()) for rank in range(2)]
+    assert all(kind == "DistributedError" for kind, _ in errors), errors
+    assert all("ChecksumError" in message and key in message for _, message in errors), errors
+    # no file, no staging folder (the folder made for it may stay: each rank staged in it)
+    assert not (out / "dst").exists() or not list((out / "dst").iterdir())
 
 
 #: Rank 1 dies (as if killed) once it has written its first output bytes.

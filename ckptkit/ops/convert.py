@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from ..errors import (
     UnsafePickleError,
     UsageError,
 )
-from ..storage import AtomicOutput, Storage, atomic_output
+from ..storage import AtomicOutput, RangedFile, Storage, atomic_output
 from ..units import parse_size, plural
 from . import distributed, output_plans, work
 from .output_plans import Copier, Part, Split, Task, WrittenFile
@@ -177,11 +178,11 @@ def unshard(
     ``torch.load(weights_only=True)`` will refuse in the output. Memory stays at about the
     largest tensor; nothing appears under a final name unless everything succeeded.
 
-    The output files are a plan's work items: ``workers`` threads write several at once (a
-    file larger than a worker's share is written by all of them, each its own byte ranges),
-    and inside an initialised torch.distributed process group (e.g. under ``torchrun``) each
-    rank writes its share, balanced by bytes, and the files appear only when every rank
-    succeeded.
+    The output files are a plan's work items: ``workers`` threads write several at once, and
+    inside an initialised torch.distributed process group (e.g. under ``torchrun``) each rank
+    writes its share, balanced by bytes; a file larger than a worker's share is written by
+    several, each its own byte ranges (the threads, and into a local destination the ranks).
+    The files appear only when every rank succeeded.
 
     Args:
         src: the checkpoint: a path or URL, or an opened checkpoint (:class:`Source`).
@@ -449,17 +450,117 @@ def _run_tasks(
         log.info("wrote %s", ", ".join(item.task.names))
         return written
 
-    share = work.mine(items, ranks)
+    shared = _shared_files(items, ranks, output)
+    share = work.mine([item for item in items if item.index not in shared], ranks)
     splits: dict[int, Split] = {}
+    results: dict[int, list[WrittenFile] | None] = {}
     try:
-        units = _split_large(share, len(items), output, workers, splits, log)
-        results = work.run(units, write, workers=workers, stop=stop)
+        units = _open_shared(shared, items, ranks, output, workers, splits, log)
+        error = None
+        try:
+            units += _split_large(share, len(items) + len(units), output, workers, splits, log)
+            results = work.run(units, write, workers=workers, stop=stop)
+        except Exception as exc:
+            if not shared:
+                raise
+            error = exc  # the other ranks learn of it before anything else is called
+        learned = {index: [split.learned()] for index, split in splits.items()}
+        if shared:  # every rank's parts are done before the file's owner finishes it
+            assert ranks is not None
+            ranks.agree(error, "writing the files the ranks share")
+            found = ranks.all_gather({i: splits[i].learned() for i in shared}, "the shared files")
+            for index in shared:
+                learned[index] = [part[index] for part in found]
         for index, split in splits.items():
-            results[index] = split.finish()
+            if index not in shared or (ranks is not None and shared[index] == ranks.rank):
+                results[index] = split.finish(learned[index])
     finally:
         for split in splits.values():
             split.close()
     return {index: files for index, files in results.items() if files is not None}
+
+
+def _shared_files(
+    items: list[work.WorkItem[Task]], ranks: Ranks | None, output: AtomicOutput
+) -> dict[int, int]:
+    """The tasks whose one file every rank writes byte ranges of, and the rank that stages
+    and publishes each (in turn): under several ranks, into a local destination (a file
+    system every rank sees), a file holding more than a rank's share of the bytes (and at
+    least :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`). The same on every rank."""
+    if ranks is None or ranks.world_size == 1 or not output.local:
+        return {}
+    total = sum(item.nbytes for item in items)
+    indices = [
+        item.index
+        for item in items
+        if item.task.split is not None
+        and item.nbytes >= tunables.SPLIT_FILE_BYTES
+        and item.nbytes * ranks.world_size > total
+    ]
+    return {index: n % ranks.world_size for n, index in enumerate(indices)}
+
+
+def _open_shared(
+    shared: dict[int, int],
+    items: list[work.WorkItem[Task]],
+    ranks: Ranks | None,
+    output: AtomicOutput,
+    workers: int,
+    splits: dict[int, Split],
+    log: logging.Logger,
+) -> list[work.WorkItem[Task | Part]]:
+    """Open the files the ranks share, collectively (every rank calls it): the owner of each
+    stages it and tells the others where; every rank then opens it too and takes its parts of
+    ``world_size * workers``, balanced by bytes (numbered after the tasks). The splits are
+    recorded in ``splits``; a failure on any rank fails every rank."""
+    if not shared:
+        return []
+    assert ranks is not None
+    n_parts = ranks.world_size * workers
+    staged: dict[int, str] = {}
+
+    def open_own(name: str, size: int) -> RangedFile:
+        file = output.open_ranges(name, size)
+        staged[index] = file.path
+        return file
+
+    error = None
+    try:
+        for index, owner in shared.items():
+            if owner == ranks.rank:
+                splits[index] = items[index].task.split(open_own, n_parts)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    ranks.agree(error, "staging the files the ranks share")
+    paths = {i: p for part in ranks.all_gather(staged, "the shared files") for i, p in part.items()}
+    try:
+        for index, owner in shared.items():
+            if owner != ranks.rank:
+                path = paths[index]
+                join = functools.partial(_join, output, path)
+                splits[index] = items[index].task.split(join, n_parts)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    ranks.agree(error, "opening the files the ranks share")
+    units: list[work.WorkItem[Task | Part]] = []
+    next_index = len(items)
+    for index in shared:
+        parts = splits[index].parts
+        owners = distributed.balance([part.nbytes for part in parts], ranks.world_size)
+        mine = [part for part, rank in zip(parts, owners, strict=True) if rank == ranks.rank]
+        log.info(
+            "writing %d of the %d parts of %s (shared by the ranks)",
+            len(mine), len(parts), items[index].task.names[0],
+        )  # fmt: skip
+        for part in mine:
+            units.append(work.WorkItem(next_index, part.nbytes, part))
+            next_index += 1
+    return units
+
+
+def _join(output: AtomicOutput, path: str, name: str, size: int) -> RangedFile:
+    """``output.join_ranges`` with the staged path first (for :func:`functools.partial`)."""
+    return output.join_ranges(name, path, size)
 
 
 def _split_large(
@@ -488,7 +589,7 @@ def _split_large(
         ):
             units.append(item)
             continue
-        split = splits[item.index] = task.split(output, workers)
+        split = splits[item.index] = task.split(output.open_ranges, workers)
         log.info("writing %s as %d parts (%d bytes)", task.names[0], len(split.parts), item.nbytes)
         for part in split.parts:
             units.append(work.WorkItem(index, part.nbytes, part))

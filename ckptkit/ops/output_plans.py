@@ -21,7 +21,7 @@ from ..catalog.model import Chunk, Entry
 from ..dtypes import DType
 from ..extras import require
 from ..reading import Reader
-from ..storage import AtomicOutput
+from ..storage import AtomicOutput, RangedFile
 from . import work
 from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
@@ -29,6 +29,7 @@ from .writers import torch_save
 
 __all__ = [
     "Copier",
+    "OpenRanges",
     "Part",
     "Split",
     "Task",
@@ -60,7 +61,12 @@ class Task:
     entries: list[Entry]
     nbytes: int  # tensor bytes written, for balancing and progress
     write: Callable[[AtomicOutput, Copier], list[WrittenFile]]
-    split: Callable[[AtomicOutput, int], Split] | None = None
+    split: Callable[[OpenRanges, int], Split] | None = None
+
+
+#: Opens a task's file at its full size for parts to fill: ``open_file(name, size)``, the
+#: output's own new file (:meth:`AtomicOutput.open_ranges`) or the one another rank staged.
+OpenRanges = Callable[[str, int], RangedFile]
 
 
 @dataclass(frozen=True)
@@ -75,12 +81,15 @@ class Part:
 
 @dataclass
 class Split:
-    """A task's file opened at its full size for :class:`Part` s to fill; ``finish`` (after
-    every part succeeded) closes it and says what was written, ``close`` (in every case)
-    releases it."""
+    """A task's file opened at its full size for :class:`Part` s to fill, by the threads of one
+    process or the ranks of a job. ``learned()`` is what the parts run here found out that
+    finishing needs (a zip's CRC-32s); ``finish`` (once every part succeeded, in the process
+    that publishes the file) takes every process's and says what was written; ``close`` (in
+    every case) releases the file."""
 
     parts: list[Part]
-    finish: Callable[[], list[WrittenFile]]
+    learned: Callable[[], Any]
+    finish: Callable[[list[Any]], list[WrittenFile]]
     close: Callable[[], None]
 
 
@@ -307,13 +316,13 @@ class _TorchPlan(_Plan):
             size = stream.tell()
         return [self._written(name, size)]
 
-    def split(self, output: AtomicOutput, n: int) -> Split:
+    def split(self, open_file: OpenRanges, n: int) -> Split:
         """The file as ``n`` runs of consecutive storages of about equal bytes, each written
         at its place: the same bytes as :meth:`write`, by ``n`` workers."""
         name = self.names[0]
         structure, streamed = _structure(self.entries, self.values, self.cast)
         archive = torch_save.RangedZip(structure, output_names.encode_stem(self.group))
-        file = output.open_ranges(name, archive.data_end)
+        file = open_file(name, archive.data_end)
         try:
             archive.write_records(file)
         except BaseException:
@@ -327,8 +336,8 @@ class _TorchPlan(_Plan):
                 slot = slots[storages[i]]
                 archive.write_storage(file, storages[i], copier.checked(streamed[id(slot)]))
 
-        def finish() -> list[WrittenFile]:
-            size = archive.finish(file)
+        def finish(learned: list[Any]) -> list[WrittenFile]:
+            size = archive.finish(file, learned)
             file.close()
             return [self._written(name, size)]
 
@@ -341,7 +350,7 @@ class _TorchPlan(_Plan):
             )
             for run in runs
         ]
-        return Split(parts, finish, file.close)
+        return Split(parts, archive.crcs, finish, file.close)
 
     def _written(self, name: str, size: int) -> WrittenFile:
         objects = sum(e.kind == "object" for e in self.entries)
@@ -453,7 +462,7 @@ class _SafetensorsPlan(_Plan):
     def _split_shard(
         name: str,
         shard: list[tuple[safetensors_writer.SafetensorsItem, Entry]],
-        output: AtomicOutput,
+        open_file: OpenRanges,
         n: int,
     ) -> Split:
         """The shard as ``n`` runs of consecutive tensors of about equal bytes, each written at
@@ -462,7 +471,7 @@ class _SafetensorsPlan(_Plan):
         header = safetensors_writer.header_bytes(items, metadata={"format": "pt"})
         starts = safetensors_writer.data_starts(header, items)
         size = len(header) + sum(item.nbytes for item in items)
-        file = output.open_ranges(name, size)
+        file = open_file(name, size)
         try:
             file.write_at(0, header)
         except BaseException:
@@ -474,7 +483,7 @@ class _SafetensorsPlan(_Plan):
                 item, entry = shard[i]
                 safetensors_writer.write_item(file.writer_at(starts[i]), item, copier(entry))
 
-        def finish() -> list[WrittenFile]:
+        def finish(_learned: list[Any]) -> list[WrittenFile]:
             file.close()
             return [WrittenFile(name, size, len(shard), 0)]
 
@@ -486,7 +495,7 @@ class _SafetensorsPlan(_Plan):
             )
             for run in work.consecutive_runs([item.nbytes for item in items], n)
         ]
-        return Split(parts, finish, file.close)
+        return Split(parts, lambda: None, finish, file.close)
 
     def _index_bytes(self) -> bytes:
         """The HF ``*.safetensors.index.json`` naming each tensor's shard."""

@@ -173,12 +173,31 @@ class AtomicOutput:
             except OSError as exc:
                 raise self._error(name, exc) from exc
             self._register(name)
-        file = RangedFile(fd, self, name)
+        file = RangedFile(fd, self, name, path)
         try:
             os.ftruncate(fd, size)
         except OSError as exc:
             file.close()
             raise self._error(name, exc) from exc
+        return file
+
+    def join_ranges(self, name: str, path: str, size: int) -> RangedFile:
+        """The file ``name`` that another process of the same job staged at ``path`` with
+        :meth:`open_ranges` (another rank's output into this destination), opened to write
+        byte ranges of it too; refused unless it is a regular file of ``size`` bytes, never
+        through a link. It stays the other process's to publish."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._error(name, exc) from exc
+        file = RangedFile(fd, self, name, path)
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_size != size:
+            file.close()
+            raise DestinationError(
+                f"{self.destination.describe(name)}: the file another rank staged at {path} "
+                f"is not a file of {size} bytes here (does every rank see this destination?)"
+            )
         return file
 
     def _open(self, name: str) -> BinaryIO:
@@ -529,9 +548,9 @@ class RangedFile:
     ``os.pwrite``, so threads write their own byte ranges of it at once; its OSErrors come out
     as :class:`DestinationError` naming the final file."""
 
-    def __init__(self, fd: int, output: AtomicOutput, name: str) -> None:
+    def __init__(self, fd: int, output: AtomicOutput, name: str, path: str) -> None:
         self._fd: int | None = fd
-        self._output, self.name = output, name
+        self._output, self.name, self.path = output, name, path
         self._lock = threading.Lock()
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:

@@ -126,6 +126,7 @@ class RangedZip:
         self._contents: list[bytes | TensorSlot] = []
         self._headers: list[bytes] = []
         self._members: list[_MemberInfo] = []
+        self._written: set[int] = set()  # members whose CRC is known here
         offset = 0
         for name, content in members:
             full = f"{archive_name}/{name}".encode()
@@ -171,9 +172,17 @@ class RangedZip:
         self._set_crc(member, crc)
         file.write_at(info.offset, _with_crc(header, crc))
 
-    def finish(self, file: RangedFile) -> int:
-        """Write the central directory after the members (every storage written); the
-        file's size."""
+    def crcs(self) -> dict[int, int]:
+        """The CRC-32s of the members written here, by member index: what :meth:`finish`
+        needs from each process that wrote some of the storages."""
+        return {i: m.crc for i, m in enumerate(self._members) if i in self._written}
+
+    def finish(self, file: RangedFile, crcs: Iterable[dict[int, int]] = ()) -> int:
+        """Write the central directory after the members (every storage written, here or by
+        processes whose :meth:`crcs` are given); the file's size."""
+        for found in crcs:
+            for member, crc in found.items():
+                self._set_crc(member, crc)
         write = file.writer_at(self.data_end)
         size = self.data_end
         for part in _central_directory(self._members, self.data_end):
@@ -183,6 +192,7 @@ class RangedZip:
 
     def _set_crc(self, member: int, crc: int) -> None:
         self._members[member] = self._members[member]._replace(crc=crc)
+        self._written.add(member)
 
 
 def _local_header(full: bytes, size: int, offset: int, crc: int) -> bytes:
