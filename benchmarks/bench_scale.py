@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import (  # noqa: E402
     OUT_DIR,
     Run,
-    cached_input,
     child_env,
     environment,
     load_line,
@@ -54,16 +53,14 @@ from _measure import (  # noqa: E402
     write_json,
 )
 from bench_remote import S3_ENV, SERVER  # noqa: E402 - moto in a process of its own
-from bench_unshard import COPY_BUFFER_MIB, PY_COPY, remove, tool_argv  # noqa: E402 - copy floor
+from bench_unshard import COPY_BUFFER_MIB, PY_COPY, ensure_source, remove, tool_argv  # noqa: E402
 from bench_unshard import _child as timed_child  # noqa: E402
 
 SHAPE = (16384, 1024)  # float32: 64 MiB per tensor
-WORLD_SIZE = 2  # ranks that wrote the source
 LAYOUTS = {"rows": 0, "cols": 1}
 SHARD = "512MiB"
 COUNTS = (1, 2, 4)
 WORK = OUT_DIR / "scale_work"
-GENERATOR_VERSION = 1
 SINGLE_COUNTS = (1, 2)  # --workers for the single-output scenario
 GOAL_SINGLE_SPEEDUP = 1.6  # one model.safetensors: workers=2 >= 1.6 x workers=1
 GOAL_TEXT = "workers=2 ≥ 1.6× workers=1 where the disk is not the limit"
@@ -84,39 +81,6 @@ with open(os.path.join(os.environ["BENCH_RANKS"], f"rank{rank}.json"), "w") as h
     json.dump({"maxrss_kib": maxrss, "op_s": op_s}, handle)
 sys.exit(code)
 """
-
-
-def _save_rank(rank: int, world_size: int, path: str, shard_dim: int, n_tensors: int) -> None:
-    """Rank body of :func:`write_source`: seeded tensors scattered from rank 0 as DTensors."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    model = {}
-    for i in range(n_tensors):
-        gen = torch.Generator().manual_seed(i)
-        full = torch.randn(SHAPE, generator=gen) if rank == 0 else torch.empty(SHAPE)
-        model[f"layers.{i}.weight"] = distribute_tensor(full, mesh, [Shard(shard_dim)])
-    dcp.save({"model": model}, storage_writer=FileSystemWriter(path))
-
-
-def write_source(path: Path, shard_dim: int, n_tensors: int) -> None:
-    from ckptkit.examples import _spawn
-
-    _spawn(_save_rank, WORLD_SIZE, str(path), shard_dim, n_tensors)
-
-
-def ensure_source(layout: str, n_tensors: int) -> Path:
-    params = {"tensors": n_tensors, "shape": list(SHAPE), "layout": layout, "v": GENERATOR_VERSION}
-    return cached_input(
-        OUT_DIR / f"scale_{layout}_{n_tensors}x{SHAPE[0]}x{SHAPE[1]}",
-        params,
-        f"from bench_scale import write_source\nwrite_source(out, {LAYOUTS[layout]}, {n_tensors})",
-        f"dcp.save from {WORLD_SIZE} ranks",
-    )
 
 
 def unshard_args(src: str, dst: Path, workers: int, shard: str | None = SHARD) -> list[str]:

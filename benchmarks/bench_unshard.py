@@ -11,8 +11,8 @@ is compared with), ``dcp_to_torch_save`` (anchor), ``ckptkit.unshard(to="safeten
 same into 256 MiB shards (``max_shard_size``: ``model-0000i-of-0000n.safetensors`` + index)
 and ``ckptkit.unshard(to="torch")``; checks once that ckptkit's outputs are bit-equal to torch's.
 The default run (3 cases x 1.5 GiB, 3 rounds) takes ~6 min on an idle 2-core machine.
-``--large`` adds the case ``rows-large``: bench_scale's cached 4 GiB fp32 row-sharded source
-(the same seeded tensors; ``--large N`` for N tensors), off by default because it adds ~3 min
+``--large`` adds the case ``rows-large``: the cached 4 GiB fp32 row-sharded source bench_scale
+also measures (``--large N`` for N tensors), off by default because it adds ~3 min
 per round and 16 GiB of outputs kept for the check.
 ``--chunks 100000 500000`` measures the per-chunk cost instead (or as well, with ``--layouts``):
 DCPs of that many small chunks (row-sharded [4, 8] fp32 DTensors, 2 gloo ranks, ``dcp.save``),
@@ -64,7 +64,7 @@ WORLD_SIZE = 2
 #: case name -> (the dimension DTensors are sharded along, their dtype)
 LAYOUTS = {"rows": (0, "float32"), "cols": (1, "float32"), "rows-bf16": (0, "bfloat16")}
 #: The optional large case (``--large``): a ``rows`` checkpoint of this many tensors (4 GiB),
-#: read from bench_scale's cache (same generator seeds and keys) so it is generated once.
+#: the same cached source bench_scale measures, so it is generated once.
 LARGE = "rows-large"
 LARGE_TENSORS = 64
 SHARD_SIZE = "256MiB"  # the sharded safetensors target
@@ -156,11 +156,9 @@ def write_source(
 def ensure_source(layout: str, n_tensors: int = N_TENSORS) -> Path:
     """The cached checkpoint for case ``layout`` of ``n_tensors`` tensors, generated in a
     child process if missing (fp32 ones keep the names and parameters bench_stats shares; the
-    large case is bench_scale's source, so the 4 GiB exist once on disk)."""
+    large case is the ``rows`` one of more tensors, which bench_scale uses too)."""
     if layout == LARGE:
-        from bench_scale import ensure_source as scale_source  # imports this module: lazily
-
-        return scale_source(layout_of(layout), n_tensors)
+        return ensure_source(layout_of(layout), n_tensors)
     shard_dim, dtype = LAYOUTS[layout]
     params: dict[str, Any] = {
         "tensors": n_tensors,
@@ -675,7 +673,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--large", type=int, nargs="?", const=LARGE_TENSORS, default=0, metavar="N",
-        help=f"add the case {LARGE}: bench_scale's fp32 rows source of N tensors (default "
+        help=f"add the case {LARGE}: the fp32 rows source of N tensors (default "
         f"{LARGE_TENSORS}: 4 GiB; ~3 min per round, 16 GiB of outputs kept for the check)",
     )  # fmt: skip
     parser.add_argument(

@@ -10,6 +10,7 @@ __all__ = [
     "lora",
     "object_equality",
     "output_plans",
+    "output_runs",
     "sizes",
     "source",
     "state_dict",

@@ -4,25 +4,21 @@ Unsharding gives one output per top-level group (``model``, ``optim``, ``train``
 are copied one tensor (or one row-chunk) at a time, and all files are staged and renamed into
 place only on success. :func:`unshard` and :func:`convert` share one pipeline, :func:`_transfer`:
 open the source, select the values, plan the output files (:mod:`.output_plans`), write them on
-threads and ranks into a staged output, and gather what was written.
+threads and ranks into a staged output, and gather what was written (:mod:`.output_runs`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import functools
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .. import dtypes, tunables
+from .. import dtypes
 from ..catalog import output_names
 from ..catalog.keys import MODEL_GROUP
 from ..catalog.model import Entry, refuse_tensors_left_as_objects
 from ..decoding.bounded_repr import bounded_repr
-from ..dtypes import DType
 from ..errors import (
     FormatError,
     MissingFileError,
@@ -31,15 +27,15 @@ from ..errors import (
     UnsafePickleError,
     UsageError,
 )
-from ..storage import AtomicOutput, RangedFile, Storage, atomic_output
+from ..storage import Storage
 from ..units import parse_size, plural
-from . import distributed, output_plans, work
-from .output_plans import Copier, Part, Split, Task, WrittenFile
+from . import distributed, output_plans, output_runs, work
+from .output_plans import WrittenFile
 from .source import Source, open_source, select_entries
 from .writers import torch_save
 
 if TYPE_CHECKING:
-    from .distributed import Ranks
+    pass
 
 __all__ = [
     "Names",
@@ -364,237 +360,19 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     published = False
     try:
         with distributed.JobProgress(total, options.progress, label, ranks) as bar:
-            with _staged(destination, options.overwrite, ranks) as output:
+            with output_runs.staged(destination, options.overwrite, ranks) as output:
                 output.refuse_existing(names)
                 if target != "dcp":  # a DCP directory's file names name no group
                     _refuse_another_checkpoint(destination, names)
-                written = _run_tasks(tasks, output, source, cast, bar, options.workers, ranks)
+                written = output_runs.run_tasks(
+                    tasks, output, source, cast, bar, options.workers, ranks
+                )
             published = True
     except KeyboardInterrupt:  # Ctrl-C once every file is in place: done, not interrupted
         if not published:
             raise
-    result.files = _gathered(written, ranks)
+    result.files = output_runs.gathered(written, ranks)
     return result
-
-
-@contextlib.contextmanager
-def _staged(destination: Storage, overwrite: bool, ranks: Ranks | None) -> Iterator[AtomicOutput]:
-    """An :class:`AtomicOutput` for this process, committed only when the block succeeded on
-    every rank: each rank stages its own files, all agree, each publishes its own, all agree
-    again, and a failure anywhere takes back what any rank published."""
-    if ranks is None:
-        with atomic_output(destination, overwrite=overwrite) as output:
-            yield output
-        return
-    output = AtomicOutput(destination, overwrite=overwrite)
-    try:
-        error = None
-        try:
-            yield output
-        except BaseException as exc:
-            error = exc
-        ranks.agree(error, "writing the outputs")
-        published: list = []
-        try:
-            published = output.publish()
-            error = None
-        except BaseException as exc:
-            error = exc
-        try:
-            ranks.agree(error, "publishing the outputs")
-        except BaseException:
-            output.withdraw(published)
-            raise
-    finally:
-        output.discard()
-
-
-def _gathered(written: dict[int, list[WrittenFile]], ranks: Ranks | None) -> list[WrittenFile]:
-    """Every rank's written files, in plan order (the order a single process writes them)."""
-    if ranks is not None:
-        merged: dict[int, list[WrittenFile]] = {}
-        for part in ranks.all_gather(written):
-            merged.update(part)
-        written = merged
-    return [file for index in sorted(written) for file in written[index]]
-
-
-def _run_tasks(
-    tasks: list[Task],
-    output: AtomicOutput,
-    source: Source,
-    cast: DType | None,
-    bar: distributed.JobProgress,
-    workers: int,
-    ranks: Ranks | None,
-) -> dict[int, list[WrittenFile]]:
-    """Write this process's share of ``tasks`` on ``workers`` threads, each with its own
-    reader (a reader's caches belong to one thread); the files each task wrote, by index."""
-    items = [work.WorkItem(i, task.nbytes, task) for i, task in enumerate(tasks)]
-    stop = work.Stop()
-    fresh = workers > 1
-    copiers = work.PerThread(
-        lambda: Copier(source.reader.fresh() if fresh else source.reader, cast, bar, stop)
-    )
-
-    log = distributed.rank_logger(ranks)
-
-    def write(item: work.WorkItem[Task | Part], _stop: work.Stop) -> list[WrittenFile] | None:
-        copier = copiers.get()
-        copier.reader.read_ahead(item.task.entries)  # small tensors: many per batch of reads
-        if isinstance(item.task, Part):
-            item.task.write(copier)
-            return None
-        log.info("writing %s (%d bytes)", ", ".join(item.task.names), item.nbytes)
-        written = item.task.write(output, copier)
-        log.info("wrote %s", ", ".join(item.task.names))
-        return written
-
-    shared = _shared_files(items, ranks, output)
-    share = work.mine([item for item in items if item.index not in shared], ranks)
-    splits: dict[int, Split] = {}
-    results: dict[int, list[WrittenFile] | None] = {}
-    try:
-        units = _open_shared(shared, items, ranks, output, workers, splits, log)
-        error = None
-        try:
-            units += _split_large(share, len(items) + len(units), output, workers, splits, log)
-            results = work.run(units, write, workers=workers, stop=stop)
-        except Exception as exc:
-            if not shared:
-                raise
-            error = exc  # the other ranks learn of it before anything else is called
-        learned = {index: [split.learned()] for index, split in splits.items()}
-        if shared:  # every rank's parts are done before the file's owner finishes it
-            assert ranks is not None
-            ranks.agree(error, "writing the files the ranks share")
-            found = ranks.all_gather({i: splits[i].learned() for i in shared}, "the shared files")
-            for index in shared:
-                learned[index] = [part[index] for part in found]
-        for index, split in splits.items():
-            if index not in shared or (ranks is not None and shared[index] == ranks.rank):
-                results[index] = split.finish(learned[index])
-    finally:
-        for split in splits.values():
-            split.close()
-    return {index: files for index, files in results.items() if files is not None}
-
-
-def _shared_files(
-    items: list[work.WorkItem[Task]], ranks: Ranks | None, output: AtomicOutput
-) -> dict[int, int]:
-    """The tasks whose one file every rank writes byte ranges of, and the rank that stages
-    and publishes each (in turn): under several ranks, into a local destination (a file
-    system every rank sees), a file holding more than a rank's share of the bytes (and at
-    least :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`). The same on every rank."""
-    if ranks is None or ranks.world_size == 1 or not output.local:
-        return {}
-    total = sum(item.nbytes for item in items)
-    indices = [
-        item.index
-        for item in items
-        if item.task.split is not None
-        and item.nbytes >= tunables.SPLIT_FILE_BYTES
-        and item.nbytes * ranks.world_size > total
-    ]
-    return {index: n % ranks.world_size for n, index in enumerate(indices)}
-
-
-def _open_shared(
-    shared: dict[int, int],
-    items: list[work.WorkItem[Task]],
-    ranks: Ranks | None,
-    output: AtomicOutput,
-    workers: int,
-    splits: dict[int, Split],
-    log: logging.Logger,
-) -> list[work.WorkItem[Task | Part]]:
-    """Open the files the ranks share, collectively (every rank calls it): the owner of each
-    stages it and tells the others where; every rank then opens it too and takes its parts of
-    ``world_size * workers``, balanced by bytes (numbered after the tasks). The splits are
-    recorded in ``splits``; a failure on any rank fails every rank."""
-    if not shared:
-        return []
-    assert ranks is not None
-    n_parts = ranks.world_size * workers
-    staged: dict[int, str] = {}
-
-    def open_own(name: str, size: int) -> RangedFile:
-        file = output.open_ranges(name, size)
-        staged[index] = file.path
-        return file
-
-    error = None
-    try:
-        for index, owner in shared.items():
-            if owner == ranks.rank:
-                splits[index] = items[index].task.split(open_own, n_parts)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        error = exc
-    ranks.agree(error, "staging the files the ranks share")
-    paths = {i: p for part in ranks.all_gather(staged, "the shared files") for i, p in part.items()}
-    try:
-        for index, owner in shared.items():
-            if owner != ranks.rank:
-                path = paths[index]
-                join = functools.partial(_join, output, path)
-                splits[index] = items[index].task.split(join, n_parts)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-        error = exc
-    ranks.agree(error, "opening the files the ranks share")
-    units: list[work.WorkItem[Task | Part]] = []
-    next_index = len(items)
-    for index in shared:
-        parts = splits[index].parts
-        owners = distributed.balance([part.nbytes for part in parts], ranks.world_size)
-        mine = [part for part, rank in zip(parts, owners, strict=True) if rank == ranks.rank]
-        log.info(
-            "writing %d of the %d parts of %s (shared by the ranks)",
-            len(mine), len(parts), items[index].task.names[0],
-        )  # fmt: skip
-        for part in mine:
-            units.append(work.WorkItem(next_index, part.nbytes, part))
-            next_index += 1
-    return units
-
-
-def _join(output: AtomicOutput, path: str, name: str, size: int) -> RangedFile:
-    """``output.join_ranges`` with the staged path first (for :func:`functools.partial`)."""
-    return output.join_ranges(name, path, size)
-
-
-def _split_large(
-    share: list[work.WorkItem[Task]],
-    next_index: int,
-    output: AtomicOutput,
-    workers: int,
-    splits: dict[int, Split],
-    log: logging.Logger,
-) -> list[work.WorkItem[Task | Part]]:
-    """This process's work units: each task whole, except that with several ``workers`` a
-    file holding more than a worker's share of the bytes (and at least
-    :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`) is opened at its full size and written as
-    parts, one per worker, at once (recorded in ``splits`` by task index, to finish; the
-    parts numbered from ``next_index``)."""
-    share_bytes = sum(item.nbytes for item in share)
-    units: list[work.WorkItem[Task | Part]] = []
-    index = next_index
-    for item in share:
-        task = item.task
-        if (
-            workers == 1
-            or task.split is None
-            or item.nbytes < tunables.SPLIT_FILE_BYTES
-            or item.nbytes * workers <= share_bytes
-        ):
-            units.append(item)
-            continue
-        split = splits[item.index] = task.split(output.open_ranges, workers)
-        log.info("writing %s as %d parts (%d bytes)", task.names[0], len(split.parts), item.nbytes)
-        for part in split.parts:
-            units.append(work.WorkItem(index, part.nbytes, part))
-            index += 1
-    return units
 
 
 def _refuse_another_checkpoint(destination: Storage, names: list[str]) -> None:
