@@ -1,9 +1,10 @@
 """The output files of unshard/convert, planned before any is written: one plan per group for
-unsharded torch.save / safetensors output, one task for a DCP directory, each split into
-:class:`Task` work items that a :class:`Copier` feeds with the tensors' bytes.
+unsharded torch.save / safetensors output, data files and ``.metadata`` for a DCP directory,
+each split into :class:`Task` work items that a :class:`Copier` feeds with the tensors' bytes.
 
 Planning checks names (clashing paths, colliding files) before anything is read or written;
-a task's ``write`` then streams its file(s) into the staged output.
+a task's ``write`` then streams its file(s) into the staged output, or its ``split`` lays the
+file out so that several workers write its byte ranges (:class:`Split`, :class:`Part`).
 """
 
 from __future__ import annotations
