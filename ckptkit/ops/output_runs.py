@@ -168,9 +168,9 @@ def _open_shared(
         return []
     assert ranks is not None
     n_parts = ranks.world_size * workers
-    staged: dict[int, str] = {}
+    staged: dict[int, str] = {}  # where this rank staged the files it owns, by task index
 
-    def open_own(name: str, size: int) -> RangedFile:
+    def open_own(index: int, name: str, size: int) -> RangedFile:
         file = output.open_ranges(name, size)
         staged[index] = file.path
         return file
@@ -179,7 +179,8 @@ def _open_shared(
     try:
         for index, owner in shared.items():
             if owner == ranks.rank:
-                splits[index] = items[index].task.split(open_own, n_parts)
+                own = functools.partial(open_own, index)
+                splits[index] = items[index].task.split(own, n_parts)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = exc
     ranks.agree(error, "staging the files the ranks share")
