@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ckptkit
 from ckptkit.errors import DistributedError, UsageError
-from ckptkit.ops.distributed import JobProgress, Ranks, balance, current, rank_logger
+from ckptkit.ops.distributed import JobProgress, Ranks, balance, joined, rank_logger
 
 #: One rank of a test job: ``python job.py SCENARIO OUT_DIR``; writes OUT_DIR/rank{r}.json.
 RANK_JOB = textwrap.dedent(
@@ -30,7 +30,7 @@ RANK_JOB = textwrap.dedent(
     import json, os, sys, threading, time
     from pathlib import Path
 
-    from ckptkit.ops.distributed import JobProgress, current, from_environment, rank_logger
+    from ckptkit.ops.distributed import JobProgress, from_environment, joined, rank_logger
     from ckptkit.errors import DistributedError
 
     scenario, out = sys.argv[1], Path(sys.argv[2])
@@ -69,9 +69,10 @@ RANK_JOB = textwrap.dedent(
                 second.update(10 + ranks.rank)  # a job of its own: counted apart from the first
             rank_logger(ranks).info("finished %d updates", len(amounts))
             expected = sum(sum(updates(r)) for r in range(ranks.world_size))
-            cached = current() is ranks and current(float(os.environ["TEST_TIMEOUT"])) is ranks
+            with joined() as inner:  # a job inside the command's: its ranks, no new group
+                nested = inner is ranks
             record(ranks, gathered=seen, done=bar.done, expected=expected, second=second.done,
-                   cached=cached)
+                   nested=nested)
         elif scenario == "fail":
             error = ValueError(f"boom on rank {ranks.rank}") if ranks.rank == 1 else None
             try:
@@ -192,7 +193,7 @@ def test_two_ranks_gather_agree_and_count_progress(tmp_path):
     # rank 0's bar polled every rank's bytes from the store: exactly their sum, no more
     assert records[0]["done"] == records[0]["expected"] == (9 << 20) * 3 + 300 * 2001
     assert records[0]["second"] == 21
-    assert records[0]["cached"] and records[1]["cached"]  # one gloo group, made once
+    assert records[0]["nested"] and records[1]["nested"]  # one gloo group for the command
     assert "test:" in done.stderr  # the bar (rank 0 only: one bar for the job)
     host = socket.gethostname()
     for rank in (0, 1):
@@ -297,7 +298,8 @@ def test_outside_torchrun_nothing_is_distributed_and_torch_is_not_imported():
         """
         import sys
         from ckptkit.ops import distributed
-        assert distributed.current() is None
+        with distributed.joined() as ranks:
+            assert ranks is None
         with distributed.from_environment() as ranks:
             assert ranks is None
         print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
@@ -312,8 +314,9 @@ def test_outside_torchrun_nothing_is_distributed_and_torch_is_not_imported():
         assert done.stdout.strip() == "[]"
 
 
-def test_current_is_none_in_a_single_process():
-    assert current() is None
+def test_a_single_process_joins_no_ranks():
+    with joined() as ranks:
+        assert ranks is None
 
 
 def test_python_dash_m_ckptkit_runs_the_cli():

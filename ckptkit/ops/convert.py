@@ -344,34 +344,34 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     destination = Storage(dst, options.storage_options)
     result = UnshardResult(destination.describe())
     entries, values = _selected_values(source, options, result)
-    ranks = distributed.current()
-    if target == "dcp":  # a data file per rank and worker, as torch's writer has per rank
-        n_files = (ranks.world_size if ranks is not None else 1) * options.workers
-        tasks = output_plans.dcp_tasks(entries, values, n_files)
-    elif options.names == "transformers":
-        tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
-        for key, kept in tied.items():
-            result.dropped[key] = f"the same stored bytes as {kept!r} (tied): written once"
-    else:
-        tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
-    names = [name for task in tasks for name in task.names]
-    total = sum(task.nbytes for task in tasks)
-    label = "convert" if target == "dcp" else "unshard"
-    published = False
-    try:
-        with distributed.JobProgress(total, options.progress, label, ranks) as bar:
-            with output_runs.staged(destination, options.overwrite, ranks) as output:
-                output.refuse_existing(names)
-                if target != "dcp":  # a DCP directory's file names name no group
-                    _refuse_another_checkpoint(destination, names)
-                written = output_runs.run_tasks(
-                    tasks, output, source, cast, bar, options.workers, ranks
-                )
-            published = True
-    except KeyboardInterrupt:  # Ctrl-C once every file is in place: done, not interrupted
-        if not published:
-            raise
-    result.files = output_runs.gathered(written, ranks)
+    with distributed.joined() as ranks:  # a collective: every rank writes its share
+        if target == "dcp":  # a data file per rank and worker, as torch's writer has per rank
+            n_files = (ranks.world_size if ranks is not None else 1) * options.workers
+            tasks = output_plans.dcp_tasks(entries, values, n_files)
+        elif options.names == "transformers":
+            tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
+            for key, kept in tied.items():
+                result.dropped[key] = f"the same stored bytes as {kept!r} (tied): written once"
+        else:
+            tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
+        names = [name for task in tasks for name in task.names]
+        total = sum(task.nbytes for task in tasks)
+        label = "convert" if target == "dcp" else "unshard"
+        published = False
+        try:
+            with distributed.JobProgress(total, options.progress, label, ranks) as bar:
+                with output_runs.staged(destination, options.overwrite, ranks) as output:
+                    output.refuse_existing(names)
+                    if target != "dcp":  # a DCP directory's file names name no group
+                        _refuse_another_checkpoint(destination, names)
+                    written = output_runs.run_tasks(
+                        tasks, output, source, cast, bar, options.workers, ranks
+                    )
+                published = True
+        except KeyboardInterrupt:  # Ctrl-C once every file is in place: done, not interrupted
+            if not published:
+                raise
+        result.files = output_runs.gathered(written, ranks)
     return result
 
 

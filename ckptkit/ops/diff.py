@@ -200,8 +200,10 @@ def _compare_pairs(
             tensor_pairs.append(work.WorkItem(i, max(ea.nbytes, eb.nbytes), (ea, eb)))
         rows.append(row)
     readers = work.PerThread(lambda: (ckpt_a.reader.fresh(), ckpt_b.reader.fresh()))
-    ranks = distributed.current()
-    with distributed.JobProgress(total, progress, "diff", ranks) as bar:
+    with (
+        distributed.joined() as ranks,
+        distributed.JobProgress(total, progress, "diff", ranks) as bar,
+    ):
 
         def compare(item: work.WorkItem[Pair], stop: work.Stop) -> dict[str, Any]:
             stop.check()

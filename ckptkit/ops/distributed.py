@@ -11,6 +11,7 @@ functions: a single-process run never imports it here.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ __all__ = [
     "FLUSH_BYTES",
     "FLUSH_SECONDS",
     "Ranks",
-    "current",
+    "joined",
     "from_environment",
     "balance",
     "JobProgress",
@@ -107,38 +108,40 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.split('. ')[0]}"
 
 
-#: The gloo groups made by :func:`current`, per default group: id → (default, timeout, Ranks).
-_groups: dict[int, tuple[Any, float | None, Ranks]] = {}
-_groups_lock = threading.Lock()
+#: The :class:`Ranks` of the job this thread is inside (a :func:`joined` block), if any.
+_joined: contextvars.ContextVar[Ranks | None] = contextvars.ContextVar("ckptkit_ranks")
 
 
-def current(timeout: float | None = None) -> Ranks | None:
-    """This process's :class:`Ranks` when torch.distributed is imported and initialised with
-    more than one rank, else ``None`` (never imports torch). The first call creates a gloo group
-    over all ranks (a collective: every rank must call it), cached per default group; later
-    calls reuse it (``timeout=None`` accepts the cached group's, another value makes a new one)."""
+@contextlib.contextmanager
+def joined(timeout: float | None = None) -> Iterator[Ranks | None]:
+    """This process's :class:`Ranks` for one job when torch.distributed is imported and
+    initialised with more than one rank, else ``None`` (never imports torch).
+
+    Entering makes a gloo group over all ranks (a collective: every rank enters), with
+    ``timeout`` seconds for its collectives (``None``: torch's default); leaving destroys it,
+    so nothing of ckptkit's outlives the job: a group still referenced when the interpreter
+    shuts down can abort the process from gloo's threads. Inside a block, a nested ``joined``
+    yields the outer block's ranks (one CLI command, one group).
+    """
+    outer = _joined.get(None)
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    world_size = dist.get_world_size()
-    if world_size < 2:
-        return None
-    default = dist.distributed_c10d._get_default_group()
-    with _groups_lock:
-        cached = _groups.get(id(default))
-        if cached is not None and cached[0] is default and timeout in (None, cached[1]):
-            return cached[2]
-        wait = None if timeout is None else timedelta(seconds=timeout)
-        group = dist.new_group(backend="gloo", timeout=wait)
-        ranks = Ranks(dist.get_rank(), world_size, group)
-        _groups[id(default)] = (default, timeout, ranks)
-        return ranks
-
-
-def _forget_groups() -> None:
-    """Drop the cached gloo groups (their default group is being destroyed)."""
-    with _groups_lock:
-        _groups.clear()
+    if outer is not None or dist is None or not dist.is_available() or not dist.is_initialized():
+        yield outer
+        return
+    if dist.get_world_size() < 2:
+        yield None
+        return
+    wait = None if timeout is None else timedelta(seconds=timeout)
+    group = dist.new_group(backend="gloo", timeout=wait)
+    ranks = Ranks(dist.get_rank(), dist.get_world_size(), group)
+    token = _joined.set(ranks)
+    try:
+        yield ranks
+    finally:
+        _joined.reset(token)
+        if dist.is_initialized():
+            with contextlib.suppress(ValueError):  # the caller destroyed it already
+                dist.destroy_process_group(group)  # local: shuts gloo's threads down now
 
 
 def _launched_by_torchrun() -> bool:
@@ -153,21 +156,23 @@ def _launched_by_torchrun() -> bool:
 @contextlib.contextmanager
 def from_environment(timeout: float = 1800) -> Iterator[Ranks | None]:
     """For the CLI: under torchrun, a gloo process group initialised from the environment
-    (destroyed on exit) and its :class:`Ranks`; an already initialised group is used as is;
-    outside torchrun ``None``, without importing torch."""
+    (destroyed on exit) and the :func:`joined` ranks of the command; an already initialised
+    group is used as is; outside torchrun ``None``, without importing torch."""
     if not _launched_by_torchrun():
-        yield current(timeout)
+        with joined(timeout) as ranks:
+            yield ranks
         return
     import torch.distributed as dist
 
     if dist.is_initialized():
-        yield current(timeout)
+        with joined(timeout) as ranks:
+            yield ranks
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     try:
-        yield current(timeout)
+        with joined(timeout) as ranks:
+            yield ranks
     finally:
-        _forget_groups()
         dist.destroy_process_group()
 
 

@@ -141,7 +141,9 @@ def verify(
 
 def verify_checkpoint(source: Source, *, crc: bool = True, workers: int = 1) -> pd.DataFrame:
     """Problems of an open checkpoint: one row per damaged file, record or tensor."""
-    return _frame(_problems(source, crc, work.check_workers(workers), distributed.current()))
+    workers = work.check_workers(workers)
+    with distributed.joined() as ranks:
+        return _frame(_problems(source, crc, workers, ranks))
 
 
 def _frame(problems: list[Problem]) -> pd.DataFrame:
