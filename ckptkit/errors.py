@@ -155,7 +155,12 @@ class UsageError(CheckpointError, ValueError):
 
 class DistributedError(CheckpointError):
     """A job spread over torch.distributed ranks failed: a rank raised (its rank, error type and
-    message are named, on every rank) or a rank was lost (died, or missed the timeout)."""
+    message are named, on every rank) or a rank was lost (died, or missed the timeout).
+
+    ``failures``: the failing ranks' ``(rank, error type, message)`` when the ranks agreed on
+    them (every rank raised this same error); ``None`` when a rank was lost."""
+
+    failures: list[tuple[int, str, str]] | None = None
 
 
 class UnreachableStoreError(StorageError, NotACheckpointError):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .. import tunables
 from ..dtypes import DType
+from ..errors import DistributedError
 from ..storage import AtomicOutput, RangedFile, Storage, atomic_output
 from . import distributed, work
 from .output_plans import Copier, Part, Split, Task, WrittenFile
@@ -38,6 +39,7 @@ def staged(destination: Storage, overwrite: bool, ranks: Ranks | None) -> Iterat
             yield output
         return
     output = AtomicOutput(destination, overwrite=overwrite)
+    agreed_failure = False
     try:
         error = None
         try:
@@ -56,8 +58,15 @@ def staged(destination: Storage, overwrite: bool, ranks: Ranks | None) -> Iterat
         except BaseException:
             output.withdraw(published)
             raise
+    except DistributedError as exc:
+        agreed_failure = exc.failures is not None  # then every rank raises it, here
+        raise
     finally:
         output.discard()
+        if agreed_failure:  # a folder made for the output held other ranks' staging folders
+            with contextlib.suppress(DistributedError):
+                ranks.all_gather(None, "removing the staging folders")
+            output.remove_created_folders()
 
 
 def gathered(written: dict[int, list[WrittenFile]], ranks: Ranks | None) -> list[WrittenFile]:

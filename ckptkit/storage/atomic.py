@@ -440,11 +440,20 @@ class AtomicOutput:
                     self._finish(anchor, self._journal)
             finally:
                 os.close(anchor)
-        for folder in self._created:
+        self.remove_created_folders()
+
+    def remove_created_folders(self) -> None:
+        """Remove the destination folders this output created, innermost first, while they
+        are empty (never what someone else put there). :meth:`discard` does; call it again
+        once other processes' staging folders inside them are gone (ranks of one job)."""
+        while self._created:
             try:
-                os.rmdir(folder)  # only when empty: never what someone else put there
+                os.rmdir(self._created[0])
+            except FileNotFoundError:
+                pass  # another rank of the job made it too, and removed it
             except OSError:
-                break
+                return
+            del self._created[0]
 
     def _finish(self, anchor: int, journal: str) -> None:
         """Remove a published run's staging folder and journal: the journal last when nothing
