@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptkit
-from ckptkit.errors import CheckpointError, CorruptRecordError, FormatError
+from ckptkit.errors import CheckpointError, CorruptRecordError, FormatError, MissingFileError
 from ckptkit.formats.deepspeed_zero.geometry import partitioned_layout, stage3_layout
 from ckptkit.storage import Storage
 
@@ -509,15 +510,34 @@ def test_missing_rank_and_bad_latest(tmp_path):
     (copy / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(CheckpointError, match="rank"):
         ckptkit.open(str(copy))
-    other = _copy("deepspeed_zero1_ws2", tmp_path)
-    (other / "latest").write_text("../../etc")  # never followed: a pointer, not a tag name
-    with pytest.raises(CheckpointError, match="does not name a tag directory"):
-        ckptkit.open(str(other), format="deepspeed_zero")
-    opened = ckptkit.open(str(other))  # the folder's only checkpoint, saying so
-    assert opened.url == str(other / TAG) and opened.catalog.facts.notes
-    (other / "latest").write_text("global_step9")
-    with pytest.raises(CheckpointError):
-        ckptkit.open(str(other), format="deepspeed_zero")
+
+
+@pytest.mark.parametrize(
+    ("latest", "error", "says"),
+    [
+        ("../../etc", FormatError, r"latest: does not name a tag directory: b'\.\./\.\./etc'"),
+        ("", FormatError, "latest: does not name a tag directory: b''"),
+        ("global_step9", MissingFileError, r"global_step9: missing \(latest names it\)"),
+        ("empty_step", FormatError, r"empty_step: not a ZeRO tag directory \(latest names it\)"),
+    ],
+)
+def test_a_stale_or_damaged_latest_is_an_error_naming_the_tags_there(tmp_path, latest, error, says):
+    """DeepSpeed's loader fails on a ``latest`` naming no tag directory; so does ckptkit, never
+    opening another step in its stead, and it names the tags the run holds (the latest last)."""
+    run = _copy("deepspeed_zero1_ws2", tmp_path)
+    (run / "empty_step").mkdir()
+    shutil.copytree(run / TAG, run / "global_step10")  # natural order: after TAG (global_step2)
+    (run / "latest").write_text(latest)  # "../../etc": never followed, not a tag name
+    tags = f"tag directories here: {TAG}, global_step10 \\(open one: ckptkit inspect "
+    for forced in (None, "deepspeed_zero"):
+        with pytest.raises(error, match=f"{says}; {tags}{re.escape(str(run / 'global_step10'))}"):
+            ckptkit.open(str(run), format=forced)
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptkit", "inspect", str(run)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "global_step10" in done.stderr
+    (run / "latest").write_text("global_step10")
+    assert ckptkit.open(str(run)).catalog.facts.checkpoint_id == "global_step10"
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..storage import Store
 
-__all__ = ["Detection", "file_location"]
+__all__ = ["Detection", "file_location", "natural_order"]
 
 
 @dataclass
@@ -33,3 +34,8 @@ def file_location(storage: Store) -> tuple[Store, str] | None:
     if storage.isdir() or not storage.exists(""):
         return None
     return storage.parent()
+
+
+def natural_order(name: str) -> list[int | str]:
+    """Sort key for folder names that puts ``step9`` before ``step10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -5,11 +5,10 @@ here before calling a location damaged or unknown, so the message names what to 
 from __future__ import annotations
 
 import posixpath
-import re
 
 from ..errors import CheckpointError
 from ..storage import Store
-from .detection import file_location
+from .detection import file_location, natural_order
 from .parts.dcp_metadata import DATA_FILE, METADATA, RANK_METADATA
 
 #: Sub-directories looked at when a folder might hold one checkpoint per step.
@@ -41,11 +40,6 @@ def _dcp_file_name(name: str) -> bool:
     return name == METADATA or bool(RANK_METADATA.match(name) or DATA_FILE.match(name))
 
 
-def _natural(name: str) -> list[int | str]:
-    """Sort key that puts ``step9`` before ``step10``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
 def checkpoints_below(
     storage: Store, listing: dict[str, int], detect, *, nested: bool = False
 ) -> list[str]:
@@ -54,7 +48,7 @@ def checkpoints_below(
     are looked at. With ``nested``, a sub-directory that is none is looked into once more
     (verl's ``global_step_10/actor``), within the same budget of look-ups, and its
     checkpoints are named by their path (``global_step_10/actor``)."""
-    subdirs = sorted((name for name, size in listing.items() if size < 0), key=_natural)
+    subdirs = sorted((name for name, size in listing.items() if size < 0), key=natural_order)
     found: list[str] = []
     budget = MAX_STEP_DIRS
     for name in subdirs[:MAX_STEP_DIRS]:
@@ -67,7 +61,7 @@ def checkpoints_below(
                 inner = child.listdir()
             except (CheckpointError, OSError):
                 continue
-            below = sorted((n for n, size in inner.items() if size < 0), key=_natural)
+            below = sorted((n for n, size in inner.items() if size < 0), key=natural_order)
             for sub in below[:budget]:
                 budget -= 1
                 if _recognised(child, sub, detect):

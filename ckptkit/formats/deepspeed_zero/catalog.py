@@ -12,11 +12,48 @@ from ...catalog.model import Catalog, CatalogBuilder, Entry, Facts
 from ...errors import FormatError, MissingFileError
 from ...storage import Store
 from ..parts.torch_save_files import load_pickles
-from .detection import LATEST, NAME, SCRIPTS, latest_tag, list_tag_files, tag_evidence
+from .detection import (
+    LATEST,
+    NAME,
+    SCRIPTS,
+    latest_tag,
+    list_tag_files,
+    tag_evidence,
+    tags_below,
+    tags_text,
+)
 from .model_states import ModelStateEntries
 from .optimizer import OptimizerEntries
 from .pickles import ZERO_GLOBALS
 from .pipeline import PipelineTag
+
+
+def _latest_tag_dir(storage: Store, listing: dict[str, int]) -> str:
+    """The tag directory ``latest`` names; an error naming ``latest`` and the tag directories
+    there are when it names none (DeepSpeed's loader would fail too: never another step)."""
+    try:
+        tag = latest_tag(storage)
+    except FormatError as exc:
+        raise FormatError(f"{exc}{_tags_there(storage, listing)}") from None
+    if listing.get(tag) != -1:
+        raise MissingFileError(
+            f"{storage.describe(tag)}: missing ({LATEST} names it){_tags_there(storage, listing)}"
+        )
+    if not tag_evidence(storage.listdir(tag)):
+        raise FormatError(
+            f"{storage.describe(tag)}: not a ZeRO tag directory ({LATEST} names it)"
+            f"{_tags_there(storage, listing)}"
+        )
+    return tag
+
+
+def _tags_there(storage: Store, listing: dict[str, int]) -> str:
+    """For an error on ``latest``: the tag directories the run directory holds, if any."""
+    tags = tags_below(storage, listing)
+    if not tags:
+        return ""
+    last = storage.describe(tags[-1])
+    return f"; tag directories here: {tags_text(tags)} (open one: ckptkit inspect {last})"
 
 
 def describe(storage: Store, files: list[str] | None = None) -> Catalog:
@@ -24,9 +61,7 @@ def describe(storage: Store, files: list[str] | None = None) -> Catalog:
     listing = storage.listdir()
     prefix, metadata, skipped = "", (), {}
     if not tag_evidence(listing) and LATEST in listing:
-        tag = latest_tag(storage)
-        if listing.get(tag) != -1:
-            raise MissingFileError(f"{storage.describe(tag)}: missing ({LATEST} names it)")
+        tag = _latest_tag_dir(storage, listing)
         prefix, metadata = f"{tag}/", (LATEST,)
         skipped = {n: "DeepSpeed's converter script, not read" for n in SCRIPTS if n in listing}
     tag_files = list_tag_files(storage, prefix)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ...errors import FormatError, MissingFileError, UnsupportedLayoutError
 from ...limits import count_missing, first_missing
 from ...storage import Store
-from ..detection import Detection, file_location
+from ..detection import Detection, file_location, natural_order
 
 NAME = "deepspeed_zero"
 LATEST = "latest"
@@ -30,6 +30,8 @@ OFFLOAD_DIR = "offloaded_tensors"
 #: A tag name ``latest`` may give: one plain path component.
 TAG = re.compile(r"^[A-Za-z0-9_.+=-]{1,255}$")
 MAX_LATEST_BYTES = 4096
+#: Sub-directories looked into for tag directories when ``latest`` names none.
+MAX_TAG_DIRS = 64
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,9 +56,14 @@ def detect(storage: Store) -> Detection | None:
         tag = latest_tag(storage)
         inner = tag_evidence(storage.listdir(tag))
     except (FormatError, MissingFileError, NotADirectoryError):
-        return None
-    if not inner:
-        return None
+        inner = []
+    if not inner:  # a stale or damaged ``latest``: describe() names it and the tags there are
+        tags = tags_below(storage, listing)
+        if not tags:
+            return None
+        return Detection(
+            NAME, storage, [f"{LATEST} names no tag directory; tags: {tags_text(tags)}"]
+        )
     lines = [f"{LATEST} names tag {tag!r}: reading {tag}/"]
     lines += [f"{tag}/{line}" for line in inner]
     lines += [f"{name} (DeepSpeed's converter, not read)" for name in SCRIPTS if name in listing]
@@ -82,6 +89,25 @@ def tag_evidence(listing: Mapping[str, int]) -> list[str]:
     if moe:
         lines.append(f"{moe[0]} … (MoE expert files: not supported)")
     return lines
+
+
+def tags_below(storage: Store, listing: Mapping[str, int]) -> list[str]:
+    """The sub-directories of a run directory that are ZeRO tag directories, in natural order
+    (the last :data:`MAX_TAG_DIRS` looked into: the latest steps)."""
+    tags = []
+    folders = sorted((n for n, size in listing.items() if size < 0), key=natural_order)
+    for name in folders[-MAX_TAG_DIRS:]:
+        try:
+            if tag_evidence(storage.listdir(name)):
+                tags.append(name)
+        except (MissingFileError, NotADirectoryError):
+            continue
+    return tags
+
+
+def tags_text(tags: list[str]) -> str:
+    """``tags`` for a message: the first few, and how many more."""
+    return ", ".join(tags[:8]) + (f" … ({len(tags)} in all)" if len(tags) > 8 else "")
 
 
 def latest_tag(storage: Store) -> str:
@@ -311,6 +337,8 @@ __all__ = [
     "TagFiles",
     "detect",
     "latest_tag",
+    "tags_below",
+    "tags_text",
     "list_tag_files",
     "tag_evidence",
 ]
