@@ -275,7 +275,7 @@ def test_small_builtin_values_print_as_repr_does():
 def test_shared_sub_objects_print_once_in_linear_time():
     start = time.monotonic()
     text = bounded_repr(_shared_deep(80))
-    assert time.monotonic() - start < 0.1
+    assert time.monotonic() - start < 1  # unbounded: 2**80 steps; the margin is for busy CI hosts
     assert text.startswith(SHOWN) and text.count("<same list>") == 6
     pair = (1, 2)
     assert bounded_repr([pair, pair, [pair]]) == "[(1, 2), <same tuple>, [<same tuple>]]"
@@ -314,7 +314,7 @@ def test_output_never_exceeds_the_character_cap(chars):
         start = time.monotonic()
         text = bounded_repr(value, chars=chars)
         assert len(text) <= chars, (chars, text)
-        assert time.monotonic() - start < 0.1, type(value)
+        assert time.monotonic() - start < 1, type(value)  # ms here; the margin is for busy hosts
 
 
 def test_depth_and_items_are_capped():

@@ -35,7 +35,8 @@ The modules, one concern each (constants and helpers are looked up, and patched,
   pieces, the sequential remote stream;
 - :mod:`~ckptkit.storage.retry`: the retry loop and the translation of store errors;
 - :mod:`~ckptkit.storage.atomic`: :class:`AtomicOutput` / :func:`atomic_output`: staged outputs
-  published by a journal, all or nothing (a :class:`RangedFile` written by threads at offsets);
+  published by a journal, all or nothing;
+- :mod:`~ckptkit.storage.ranged_files`: a :class:`RangedFile`, written by threads at offsets;
 - :mod:`~ckptkit.storage.recovery`: owners, journals, and what the next run does with a killed
   run's staging (finish nothing half: roll back, remove);
 - :mod:`~ckptkit.storage.anchored`: the one path walker: folders opened component by component
@@ -47,8 +48,9 @@ The modules, one concern each (constants and helpers are looked up, and patched,
 
 from __future__ import annotations
 
-from .atomic import AtomicOutput, RangedFile, atomic_output
+from .atomic import AtomicOutput, atomic_output
 from .protocol import Output, Store
+from .ranged_files import RangedFile
 from .store import Storage
 
 __all__ = ["AtomicOutput", "Output", "RangedFile", "Storage", "Store", "atomic_output"]

@@ -20,7 +20,7 @@ import posixpath
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from ..errors import (
@@ -33,6 +33,7 @@ from ..errors import (
 from . import recovery
 from .anchored import entry_status, folder_of, fsync_file, open_anchor, open_folder, remove_tree
 from .names import name_problem
+from .ranged_files import RangedFile
 from .recovery import REPLACED_DIR
 from .retry import error_summary
 from .store import Storage
@@ -41,7 +42,6 @@ __all__ = [
     "REMOTE_STAGING_PREFIX",
     "STAGING_PREFIX",
     "AtomicOutput",
-    "RangedFile",
     "atomic_output",
 ]
 
@@ -173,7 +173,7 @@ class AtomicOutput:
             except OSError as exc:
                 raise self._error(name, exc) from exc
             self._register(name)
-        file = RangedFile(fd, self, name, path)
+        file = RangedFile(fd, name, path, self._error)
         try:
             os.ftruncate(fd, size)
         except OSError as exc:
@@ -190,7 +190,7 @@ class AtomicOutput:
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise self._error(name, exc) from exc
-        file = RangedFile(fd, self, name, path)
+        file = RangedFile(fd, name, path, self._error)
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or status.st_size != size:
             file.close()
@@ -550,51 +550,6 @@ def _parent_folders(name: str) -> set[str]:
         parents.add(up)
         up = posixpath.dirname(up)
     return parents
-
-
-class RangedFile:
-    """An output file under its staging name, pre-sized and written at offsets with
-    ``os.pwrite``, so threads write their own byte ranges of it at once; its OSErrors come out
-    as :class:`DestinationError` naming the final file."""
-
-    def __init__(self, fd: int, output: AtomicOutput, name: str, path: str) -> None:
-        self._fd: int | None = fd
-        self._output, self.name, self.path = output, name, path
-        self._lock = threading.Lock()
-
-    def write_at(self, offset: int, data: bytes | memoryview) -> None:
-        """Write all of ``data`` at ``offset`` (a range no other thread writes)."""
-        fd = self._fd
-        if fd is None:
-            raise ValueError(f"{self.name}: written after it was closed")
-        view = memoryview(data).cast("B")
-        try:
-            while view:
-                done = os.pwrite(fd, view, offset)
-                view, offset = view[done:], offset + done
-        except OSError as exc:
-            raise self._output._error(self.name, exc) from exc
-
-    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
-        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
-        position = offset
-
-        def write(data: bytes | memoryview) -> None:
-            nonlocal position
-            self.write_at(position, data)
-            position += memoryview(data).nbytes
-
-        return write
-
-    def close(self) -> None:
-        """Close the file (again: nothing happens)."""
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError as exc:
-                raise self._output._error(self.name, exc) from exc
 
 
 @contextlib.contextmanager

@@ -1,0 +1,59 @@
+"""One output file written at offsets by several threads (or ranks) at once: each writes its
+own byte ranges with ``os.pwrite`` into the file staged at its full size."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+from ..errors import DestinationError
+
+__all__ = ["RangedFile"]
+
+
+class RangedFile:
+    """An output file under its staging name, pre-sized and written at offsets with
+    ``os.pwrite``, so threads write their own byte ranges of it at once; its OSErrors come out
+    as :class:`DestinationError` naming the final file."""
+
+    def __init__(
+        self, fd: int, name: str, path: str, error: Callable[[str, OSError], DestinationError]
+    ) -> None:
+        self._fd: int | None = fd
+        self.name, self.path, self._error = name, path, error
+        self._lock = threading.Lock()
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write all of ``data`` at ``offset`` (a range no other thread writes)."""
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"{self.name}: written after it was closed")
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                done = os.pwrite(fd, view, offset)
+                view, offset = view[done:], offset + done
+        except OSError as exc:
+            raise self._error(self.name, exc) from exc
+
+    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
+        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
+        position = offset
+
+        def write(data: bytes | memoryview) -> None:
+            nonlocal position
+            self.write_at(position, data)
+            position += memoryview(data).nbytes
+
+        return write
+
+    def close(self) -> None:
+        """Close the file (again: nothing happens)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                raise self._error(self.name, exc) from exc
