@@ -90,6 +90,37 @@ def test_run_directory_naming_a_missing_iteration(tmp_path):
         ckptkit.open(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("tracker", "error", "says"),
+    [
+        ("abc", ckptkit.FormatError, r"latest_checkpointed_iteration\.txt: holds b'abc', not an"),
+        ("20", ckptkit.MissingFileError, r"iter_0000020: missing \(latest_checkpointed_it"),
+        ("release", ckptkit.MissingFileError, r"release: missing \(latest_checkpointed_it"),
+        ("30", ckptkit.FormatError, r"iter_0000030: holds no Megatron checkpoint \(latest_"),
+    ],
+)
+@pytest.mark.parametrize("layout", ["megatron_dist", "megatron_legacy"])
+def test_a_tracker_naming_no_checkpoint_is_an_error_naming_the_iterations(
+    tmp_path, layout, tracker, error, says
+):
+    """Megatron's loader fails on a tracker naming no checkpoint; so does ckptkit, for both
+    layouts, never opening another iteration in its stead (the folder of one checkpoint would
+    open it, with a note), and it names the iterations that hold one, the newest last."""
+    run = tmp_path / "run"
+    if layout == "megatron_dist":
+        shutil.copytree(_path("megatron_mcore016_gpt_tp2_ws2"), run / "iter_0000010")
+    else:
+        shutil.copytree(FIXTURES / "megatron_legacy_tp2_ws2" / "run", run)
+    (run / "iter_0000030").mkdir()  # an empty folder: a save that left nothing
+    (run / "latest_checkpointed_iteration.txt").write_text(tracker)
+    assert ckptkit.detect(str(run)).format == layout
+    there = r"; iteration folders here: iter_0000010 \(open one: ckptkit inspect "
+    with pytest.raises(error, match=f"{says}.*{there}.*iter_0000010\\)$"):
+        ckptkit.open(str(run))
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    assert ckptkit.open(str(run)).url.rstrip("/").endswith("iter_0000010")
+
+
 def test_other_backend_is_recognised_and_refused(tmp_path):
     copy = tmp_path / "ckpt"
     shutil.copytree(_path("megatron_mcore016_gpt_tp2_ws2"), copy)

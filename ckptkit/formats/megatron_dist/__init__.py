@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import warnings
 from typing import Any
 
@@ -49,7 +48,7 @@ from ...errors import CheckpointError, FormatError, MissingFileError
 from ...storage import Store
 from ..detection import Detection
 from ..parts.dcp_metadata import DATA_FILE, METADATA, read_dcp
-from ..parts.megatron_tracker import TRACKER, detect_tracked, tracked_iteration
+from ..parts.megatron_tracker import TRACKER, detect_run, tracker_error
 from ..parts.torch_save_files import leaves, load_pickles, pickle_entries, tensor_record
 from .layers import archive_pickles, layer_chunks, layer_key, stacked_name
 from .pickles import MEGATRON_GLOBALS, mcore_data
@@ -58,8 +57,6 @@ NAME = "megatron_dist"
 CONFIG = "metadata.json"
 COMMON = "common.pt"
 INTEGRITY = "integrity.json"
-#: The folders of a Megatron run directory, one per saved iteration.
-ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
 #: Groups of stored keys by their first part; everything else is the model's.
 _TOP = {"optimizer.": "optimizer", "rng_state/": "rng_state", "common_state/": "common"}
 STACKED_GROUP = "stacked"
@@ -71,27 +68,17 @@ def detect(storage: Store) -> Detection | None:
     or a run directory whose tracker names one.
 
     The tracker alone decides nothing (verl writes one too, beside ``global_step_N/``): a run
-    directory is Megatron's when the iteration it names holds Megatron content, or when that
-    iteration is missing but other ``iter_NNNNNNN/`` folders are there (then describe() names
-    the missing one)."""
+    directory is Megatron's when the iteration it names holds Megatron content, or when the
+    tracker names no checkpoint but ``iter_NNNNNNN/`` folders are there (then describe() says
+    what the tracker names and which iterations hold one)."""
     try:
         listing = storage.listdir()
     except (MissingFileError, NotADirectoryError):
         return None
     found = _detect_here(storage, listing)
-    if found is not None or TRACKER not in listing:
+    if found is not None:
         return found
-    sub = tracked_iteration(storage)
-    if sub is None:
-        return None
-    if listing.get(sub, 0) >= 0:  # the named iteration is not there: Megatron's run layout?
-        if not any(size < 0 and ITERATION_DIR.match(name) for name, size in listing.items()):
-            return None
-        return Detection(
-            NAME, storage, [f"found {TRACKER} naming {sub}/, which holds no checkpoint"]
-        )
-    # an iteration folder without Megatron content is not Megatron's
-    return detect_tracked(storage, sub, _detect_here)
+    return detect_run(storage, listing, NAME, _detect_here, bare=True)
 
 
 def _detect_here(storage: Store, listing: dict[str, int]) -> Detection | None:
@@ -155,12 +142,8 @@ def _check_supported(storage: Store) -> None:
     """Refuse, naming the layout, what this adapter recognises but cannot read."""
     listing = storage.listdir()
     found = _detect_here(storage, listing)
-    sub = tracked_iteration(storage) if found is None and TRACKER in listing else None
-    if sub is not None:
-        raise MissingFileError(
-            f"{storage.describe(TRACKER)} names {sub}/, but {storage.describe(sub)} holds no "
-            "Megatron checkpoint (metadata.json + .metadata)"
-        )
+    if found is None and TRACKER in listing:
+        raise tracker_error(storage, listing, _detect_here)
     if found is None:
         raise FormatError(f"{storage.describe()}: not a Megatron-core dist_checkpointing directory")
     backend = (_config(storage) or {}).get("sharded_backend")
@@ -328,7 +311,6 @@ __all__ = [
     "COMMON",
     "CONFIG",
     "INTEGRITY",
-    "ITERATION_DIR",
     "NAME",
     "STACKED_GROUP",
     "TRACKER",

@@ -45,7 +45,7 @@ from ...storage import Store
 from ..detection import Detection
 from ..parts.megatron_tp import MODEL_GROUP, TIED_GROUP, merge_model, warn_differing_copies
 from ..parts.megatron_tp_rules import ModelArgs
-from ..parts.megatron_tracker import TRACKER, detect_tracked, tracked_iteration
+from ..parts.megatron_tracker import TRACKER, detect_run, tracker_error
 from ..parts.torch_save_files import load_pickles, pickle_entries
 from .args import model_args
 from .errors import MegatronLegacyError
@@ -82,12 +82,9 @@ def detect(storage: Store) -> Detection | None:
     except (MissingFileError, NotADirectoryError):
         return None
     found = _detect_here(storage, listing)
-    if found is not None or TRACKER not in listing:
+    if found is not None:
         return found
-    sub = tracked_iteration(storage)
-    if sub is None or listing.get(sub, 0) >= 0:  # names nothing, or no such folder
-        return None
-    return detect_tracked(storage, sub, _detect_here)
+    return detect_run(storage, listing, NAME, _detect_here)
 
 
 def _one_rank(storage: Store) -> Detection | None:
@@ -135,6 +132,9 @@ def _detect_here(storage: Store, listing: Mapping[str, int]) -> Detection | None
 
 def describe(storage: Store) -> Catalog:
     """One catalog over every rank file: the merged model, then each rank's other state."""
+    listing = storage.listdir()
+    if TRACKER in listing and not rank_dirs(listing):  # a run whose tracker names no iteration
+        raise tracker_error(storage, listing, _detect_here)
     found = rank_files(storage)
     pickled = load_pickles(storage, [r.file for r in found])
     values = {r.label: pickled[r.file].value for r in found}

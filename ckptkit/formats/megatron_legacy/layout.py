@@ -13,7 +13,6 @@ from ..parts.megatron_tp_rules import ModelArgs
 from .errors import MegatronLegacyError
 
 __all__ = [
-    "ITERATION_DIR",
     "RANK_DIR",
     "RANK_FILE",
     "RankFile",
@@ -22,9 +21,6 @@ __all__ = [
     "rank_files",
 ]
 
-#: The run's tracker file: the latest iteration saved (or ``release``).
-#: The folders of a run directory, one per saved iteration.
-ITERATION_DIR = re.compile(r"^(?:iter_\d{7}|release)$")
 #: One model-parallel rank's folder: ``mp_rank_<TP>`` or, with pipeline stages,
 #: ``mp_rank_<TP>_<PP>``; a third number is the expert-parallel rank.
 RANK_DIR = re.compile(r"^mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?(?:_(?P<ep>\d{3}))?$")
