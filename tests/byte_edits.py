@@ -1,11 +1,17 @@
 """Helpers that edit the bytes of real checkpoint files in tests: a pickle's FRAME opcodes taken
-out so its opcodes can change length, and the central directory entry of a zip member found."""
+out so its opcodes can change length, the central directory entry of a zip member found, and a
+DCP checkpoint copied with one tensor byte flipped."""
 
 from __future__ import annotations
 
 import pickletools
+import shutil
+from pathlib import Path
 
-__all__ = ["central_entry", "unframed"]
+import ckptkit
+from ckptkit.decoding.records import zip_members
+
+__all__ = ["central_entry", "damaged_copy", "unframed"]
 
 
 def unframed(data: bytes) -> bytes:
@@ -28,3 +34,23 @@ def central_entry(blob: bytes | bytearray, name: bytes) -> int:
             return at
         at = blob.find(b"PK\x01\x02", at + 4)
     raise AssertionError(f"no central directory entry for {name!r}")
+
+
+def damaged_copy(src: Path, dst: Path) -> tuple[Path, str]:
+    """A copy of ``src`` with one byte flipped inside the storage of its largest tensor on
+    ``__0_0.distcp``; that tensor's key."""
+    shutil.copytree(src, dst)
+    ckpt = ckptkit.open(str(dst))
+    _, key, record = max(
+        (e.nbytes, e.key, c.record)
+        for e in ckpt.catalog.tensors()
+        for c in e.chunks
+        if c.record is not None and c.record.file == "__0_0.distcp"
+    )
+    blob = (dst / record.file).read_bytes()[record.offset : record.offset + record.length]
+    members = zip_members(memoryview(blob), "test")
+    member = next(m for name, m in members.items() if name.endswith("/data/0"))
+    raw = bytearray((dst / record.file).read_bytes())
+    raw[record.offset + member.offset + member.size // 2] ^= 0x5A
+    (dst / record.file).write_bytes(bytes(raw))
+    return dst, key

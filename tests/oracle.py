@@ -14,6 +14,16 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 import ckptkit
 
 
+def digests(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``root`` by relative name (DCP ``.metadata`` excluded: it
+    pickles a fresh random ``save_id`` on every write)."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != ".metadata"
+    }
+
+
 def raw_bytes(tensor: torch.Tensor) -> bytes:
     """A tensor's elements as contiguous little-endian bytes (what 'bit-equal' compares)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

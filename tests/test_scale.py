@@ -10,27 +10,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+from byte_edits import damaged_copy
 
 import ckptkit
 from ckptkit import tunables
-from ckptkit.decoding.records import zip_members
 from ckptkit.errors import ChecksumError, UsageError
 from ckptkit.ops import work
 
-from oracle import assert_same_structure, torch_unsharded
+from oracle import assert_same_structure, digests, torch_unsharded
 
 #: Small enough that the sample's model and optimizer split into many shards: many work items.
 SHARD = "64KiB"
-
-
-def digests(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``root`` by relative name (DCP ``.metadata`` excluded: it
-    pickles a fresh random ``save_id`` on every write)."""
-    return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(root.rglob("*"))
-        if path.is_file() and path.name != ".metadata"
-    }
 
 
 def dcp_metadata_without_save_id(root: Path) -> dict:
@@ -86,26 +76,6 @@ def assert_same_dcp(a: Path, b: Path, tmp_path: Path) -> None:
     expected = torch_unsharded(a, scratch)
     (scratch / "dcp_to_torch_save.pt").unlink()
     assert_same_structure(torch_unsharded(b, scratch), expected, "state", ordered=True)
-
-
-def damaged_copy(src: Path, dst: Path) -> tuple[Path, str]:
-    """A copy of ``src`` with one byte flipped inside the storage of its largest tensor on
-    ``__0_0.distcp``; that tensor's key."""
-    shutil.copytree(src, dst)
-    ckpt = ckptkit.open(str(dst))
-    _, key, record = max(
-        (e.nbytes, e.key, c.record)
-        for e in ckpt.catalog.tensors()
-        for c in e.chunks
-        if c.record is not None and c.record.file == "__0_0.distcp"
-    )
-    blob = (dst / record.file).read_bytes()[record.offset : record.offset + record.length]
-    members = zip_members(memoryview(blob), "test")
-    member = next(m for name, m in members.items() if name.endswith("/data/0"))
-    raw = bytearray((dst / record.file).read_bytes())
-    raw[record.offset + member.offset + member.size // 2] ^= 0x5A
-    (dst / record.file).write_bytes(bytes(raw))
-    return dst, key
 
 
 def test_workers_verify_and_diff_equal_one_process(ws2, mutant, tmp_path):
