@@ -11,6 +11,7 @@ __all__ = [
     "SEQUENTIAL_PIECE",
     "SMALL_FILE_LIMIT",
     "SPLIT_FILE_BYTES",
+    "UPLOAD_PART_BYTES",
     "WORK_LIMIT",
 ]
 
@@ -39,6 +40,9 @@ ROW_BLOCK_BYTES = 4 << 20
 #: worker's share of the bytes, and at least this many, is written by several workers at once,
 #: each its own byte ranges; smaller ones stay one worker's.
 SPLIT_FILE_BYTES = 64 << 20
+#: Such a file going to an object store (S3) is uploaded in parts of this size as its bytes are
+#: written, never staged on local disk (larger for files past 10,000 parts, the protocol's bound).
+UPLOAD_PART_BYTES = 16 << 20
 #: Elements handled at once by diff, stats, plots and the browser; float64 working arrays then
 #: stay at a few × 8 MB.
 BLOCK_ELEMENTS = 1 << 20

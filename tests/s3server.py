@@ -37,6 +37,7 @@ class Request:
     status: int = 0
     nbytes: int = 0  # response body bytes sent
     injected: bool = False
+    query: str = ""  # "partNumber=2&uploadId=…" for a part of a multipart upload
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Traffic:
             return [body]
         with self.lock:
             request = Request(len(self.requests), method, path, environ.get("HTTP_RANGE"))
+            request.query = environ.get("QUERY_STRING", "")
             self.requests.append(request)
             failure = next(
                 (f for f in self.failures if f.times > 0 and f.match(method, path)), None

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptkit.storage import AtomicOutput, Output, Storage, Store
+from ckptkit.storage import AtomicOutput, Output, RangedFile, RangedOutput, Storage, Store
+from ckptkit.storage.multipart import RangedUpload
 
 FIXTURE = Path(__file__).parent / "fixtures" / "dcp_torch22_fsdp1_ws2" / "checkpoint"
 
@@ -34,7 +35,15 @@ def storage() -> Storage:
     return Storage(str(FIXTURE))
 
 
-@pytest.mark.parametrize(("implementation", "protocol"), [(Storage, Store), (AtomicOutput, Output)])
+@pytest.mark.parametrize(
+    ("implementation", "protocol"),
+    [
+        (Storage, Store),
+        (AtomicOutput, Output),
+        (RangedFile, RangedOutput),
+        (RangedUpload, RangedOutput),
+    ],
+)
 def test_every_protocol_method_exists_with_the_same_parameters(implementation, protocol):
     methods = _methods(protocol)
     assert methods, protocol

@@ -22,7 +22,7 @@ from ..catalog.model import Chunk, Entry
 from ..dtypes import DType
 from ..extras import require
 from ..reading import Reader
-from ..storage import AtomicOutput, RangedFile
+from ..storage import AtomicOutput, RangedOutput
 from . import work
 from .writers import dcp as dcp_writer
 from .writers import safetensors as safetensors_writer
@@ -67,7 +67,7 @@ class Task:
 
 #: Opens a task's file at its full size for parts to fill: ``open_file(name, size)``, the
 #: output's own new file (:meth:`AtomicOutput.open_ranges`) or the one another rank staged.
-OpenRanges = Callable[[str, int], RangedFile]
+OpenRanges = Callable[[str, int], RangedOutput]
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ class _TorchPlan(_Plan):
         name = self.names[0]
         structure, streamed = _structure(self.entries, self.values, self.cast)
         archive = torch_save.RangedZip(structure, output_names.encode_stem(self.group))
-        file = open_file(name, archive.data_end)
+        file = open_file(name, archive.size)
         try:
             archive.write_records(file)
         except BaseException:

@@ -236,21 +236,22 @@ def _split_large(
     file holding more than a worker's share of the bytes (and at least
     :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`) is opened at its full size and written as
     parts, one per worker, at once (recorded in ``splits`` by task index, to finish; the
-    parts numbered from ``next_index``)."""
+    parts numbered from ``next_index``). A file going up to an object store in parts
+    (:meth:`AtomicOutput.uploads`) is opened that way too, in one part with one worker."""
     share_bytes = sum(item.nbytes for item in share)
     units: list[work.WorkItem[Task | Part]] = []
     index = next_index
     for item in share:
         task = item.task
-        if (
-            workers == 1
-            or task.split is None
-            or item.nbytes < tunables.SPLIT_FILE_BYTES
-            or item.nbytes * workers <= share_bytes
-        ):
+        spread = (
+            workers > 1
+            and item.nbytes >= tunables.SPLIT_FILE_BYTES
+            and item.nbytes * workers > share_bytes
+        )
+        if task.split is None or not (spread or output.uploads(item.nbytes)):
             units.append(item)
             continue
-        split = splits[item.index] = task.split(output.open_ranges, workers)
+        split = splits[item.index] = task.split(output.open_ranges, workers if spread else 1)
         log.info("writing %s as %d parts (%d bytes)", task.names[0], len(split.parts), item.nbytes)
         for part in split.parts:
             units.append(work.WorkItem(index, part.nbytes, part))

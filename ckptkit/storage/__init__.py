@@ -36,21 +36,32 @@ The modules, one concern each (constants and helpers are looked up, and patched,
 - :mod:`~ckptkit.storage.retry`: the retry loop and the translation of store errors;
 - :mod:`~ckptkit.storage.atomic`: :class:`AtomicOutput` / :func:`atomic_output`: staged outputs
   published by a journal, all or nothing;
-- :mod:`~ckptkit.storage.ranged_files`: a :class:`RangedFile`, written by threads at offsets;
+- :mod:`~ckptkit.storage.staged_files`: the staged files: a stream, or a :class:`RangedFile`
+  written by threads at offsets;
+- :mod:`~ckptkit.storage.multipart`: a file going up to S3 as parts, written by threads at offsets;
 - :mod:`~ckptkit.storage.recovery`: owners, journals, and what the next run does with a killed
   run's staging (finish nothing half: roll back, remove);
 - :mod:`~ckptkit.storage.anchored`: the one path walker: folders opened component by component
   without following links, every move, unlink and removal relative to a folder descriptor;
 - :mod:`~ckptkit.storage.private_files`: the user's own cache files: created exclusively,
   never read or written through a link;
-- :mod:`~ckptkit.storage.protocol`: :class:`Store` and :class:`Output`, the interfaces above.
+- :mod:`~ckptkit.storage.protocol`: :class:`Store`, :class:`Output` and :class:`RangedOutput`,
+  the interfaces above.
 """
 
 from __future__ import annotations
 
 from .atomic import AtomicOutput, atomic_output
-from .protocol import Output, Store
-from .ranged_files import RangedFile
+from .protocol import Output, RangedOutput, Store
+from .staged_files import RangedFile
 from .store import Storage
 
-__all__ = ["AtomicOutput", "Output", "RangedFile", "Storage", "Store", "atomic_output"]
+__all__ = [
+    "AtomicOutput",
+    "Output",
+    "RangedFile",
+    "RangedOutput",
+    "Storage",
+    "Store",
+    "atomic_output",
+]

@@ -25,17 +25,18 @@ from typing import Any, BinaryIO
 
 from ..errors import (
     AccessDeniedError,
-    CheckpointError,
     DestinationError,
     OutputExistsError,
     OutputNameError,
 )
-from . import recovery
+from . import multipart, recovery
 from .anchored import entry_status, folder_of, fsync_file, open_anchor, open_folder, remove_tree
+from .multipart import RangedUpload
 from .names import name_problem
-from .ranged_files import RangedFile
+from .protocol import RangedOutput
 from .recovery import REPLACED_DIR
 from .retry import error_summary
+from .staged_files import RangedFile, StagedStream
 from .store import Storage
 
 __all__ = [
@@ -99,6 +100,7 @@ class AtomicOutput:
         self._lock = threading.Lock()
         self._journal: str | None = None  # beside the staging folder while publishing
         self._stuck = False  # a take-back failed: the journal stays for the next run
+        self._uploads: dict[str, RangedUpload] = {}  # files going up as multipart uploads
         try:
             if self.local:
                 self._created = _missing_folders(destination.root)
@@ -162,10 +164,14 @@ class AtomicOutput:
         with self._lock:
             return self._open(name)
 
-    def open_ranges(self, name: str, size: int) -> RangedFile:
+    def open_ranges(self, name: str, size: int) -> RangedOutput:
         """A new file of ``size`` bytes that will become ``name``, written at offsets
         (:meth:`RangedFile.write_at`) by several threads at once: one output file spread over
-        workers, each writing its own byte ranges."""
+        workers, each writing its own byte ranges. To an object store (S3), a file of two parts
+        or more is a :class:`RangedUpload`: its parts go up as they are written, nothing is
+        staged on local disk, and publishing completes the upload."""
+        if self.uploads(size):
+            return self._open_upload(name, size)
         with self._lock:
             path = self._staged_path(name)
             try:
@@ -180,6 +186,33 @@ class AtomicOutput:
             file.close()
             raise self._error(name, exc) from exc
         return file
+
+    def uploads(self, size: int) -> bool:
+        """Whether a file of ``size`` bytes opened by :meth:`open_ranges` goes up to the object
+        store as parts while it is written (two parts or more, to S3), never staged locally."""
+        return (
+            not self.local
+            and multipart.supported(self.destination)
+            and size >= 2 * multipart.part_bytes(size)
+        )
+
+    def _open_upload(self, name: str, size: int) -> RangedUpload:
+        with self._lock:
+            self._check_new(name)
+            self._register(name)
+        try:
+            upload = multipart.RangedUpload(self.destination, name, size)
+        except OSError as exc:
+            raise self._error(name, exc) from exc
+        with self._lock:
+            self._uploads[name] = upload
+            try:  # before any part goes up: a run that finds this one killed aborts it
+                destination = recovery.destination_id(self.destination)
+                multipart.record_uploads(self.staging, self._uploads.values(), destination)
+            except OSError as exc:
+                upload.abort()
+                raise self._error(name, exc) from exc
+        return upload
 
     def join_ranges(self, name: str, path: str, size: int) -> RangedFile:
         """The file ``name`` that another process of the same job staged at ``path`` with
@@ -207,11 +240,22 @@ class AtomicOutput:
         except OSError as exc:
             raise self._error(name, exc) from exc
         self._register(name)
-        return _OutputFile(stream, self, name)  # type: ignore[return-value]
+        return StagedStream(stream, name, self._error)  # type: ignore[return-value]
 
     def _staged_path(self, name: str) -> str:
         """Where ``name`` is staged (its folders made), once checked: a safe name, not written
         before, not a file where another name needs a folder or the other way round."""
+        self._check_new(name)
+        path = os.path.join(self.staging, name)  # in a folder of our own (mode 0700)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as exc:
+            raise self._error(name, exc) from exc
+        return path
+
+    def _check_new(self, name: str) -> None:
+        """Refuse ``name`` unless it is a safe name, not written before, and no file where
+        another name needs a folder or the other way round."""
         self._check_name(name)
         if name in self.names:
             raise OutputNameError(f"{self.destination.describe(name)} is written twice")
@@ -220,12 +264,6 @@ class AtomicOutput:
                 f"{self.destination.describe(name)}: a file and a folder of files would share "
                 "this name"
             )
-        path = os.path.join(self.staging, name)  # in a folder of our own (mode 0700)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as exc:
-            raise self._error(name, exc) from exc
-        return path
 
     def _register(self, name: str) -> None:
         """Record ``name`` (now staged) as an output and its parents as folders."""
@@ -357,6 +395,9 @@ class AtomicOutput:
         if not self.local:
             staged, final = os.path.join(self.staging, name), self.destination.path(name)
             try:
+                if name in self._uploads:
+                    self._uploads[name].complete()
+                    return None
                 self.destination._call(name, self.destination.fs.put_file, staged, final)
             except AccessDeniedError:
                 raise  # already names the file and says to check credentials
@@ -431,6 +472,8 @@ class AtomicOutput:
         the next run then rolls it back)."""
         if self._stuck:
             return  # the next run finishes taking the published files back
+        for upload in self._uploads.values():
+            upload.abort()  # those not completed
         with contextlib.suppress(OSError):
             anchor = open_anchor(self._parent)
             try:
@@ -490,56 +533,6 @@ def _missing_folders(path: str) -> list[str]:
             break
         path = parent
     return missing
-
-
-class _OutputFile:
-    """An output file under its staging name whose OSErrors (a full disk, a quota, a read-only
-    file system…) come out as :class:`DestinationError` naming the final file."""
-
-    def __init__(self, stream: BinaryIO, output: AtomicOutput, name: str) -> None:
-        self._stream, self._output, self.name = stream, output, name
-
-    def _guarded(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self._stream, method)(*args)
-        except CheckpointError:
-            raise
-        except OSError as exc:
-            raise self._output._error(self.name, exc) from exc
-
-    def write(self, data: Any) -> int:
-        return self._guarded("write", data)
-
-    def writelines(self, lines: Any) -> None:
-        return self._guarded("writelines", lines)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        return self._guarded("seek", offset, whence)
-
-    def tell(self) -> int:
-        return self._guarded("tell")
-
-    def truncate(self, size: int | None = None) -> int:
-        return self._guarded("truncate", size)
-
-    def flush(self) -> None:
-        return self._guarded("flush")
-
-    def close(self) -> None:
-        return self._guarded("close")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-    def __enter__(self) -> _OutputFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        else:  # the error under way matters more than one from closing
-            with contextlib.suppress(OSError):
-                self._stream.close()
 
 
 def _parent_folders(name: str) -> set[str]:

@@ -4,11 +4,11 @@ call on an :class:`~ckptkit.storage.AtomicOutput`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["Output", "Store"]
+__all__ = ["Output", "RangedOutput", "Store"]
 
 
 @runtime_checkable
@@ -102,4 +102,25 @@ class Output(Protocol):
 
     def discard(self) -> None:
         """Remove every temporary file."""
+        ...
+
+
+@runtime_checkable
+class RangedOutput(Protocol):
+    """One output file written at offsets by several threads at once, each its own byte ranges
+    (:meth:`Output.open_ranges <ckptkit.storage.AtomicOutput.open_ranges>`: a staged
+    :class:`~ckptkit.storage.RangedFile`, or a multipart upload to an object store)."""
+
+    name: str
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write all of ``data`` at ``offset``."""
+        ...
+
+    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
+        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
+        ...
+
+    def close(self) -> None:
+        """No more writes."""
         ...

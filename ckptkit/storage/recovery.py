@@ -24,6 +24,7 @@ import stat
 from typing import Any
 
 from ..errors import CheckpointError, MissingFileError
+from . import multipart
 from .anchored import (
     entry_status,
     folder_of,
@@ -295,6 +296,7 @@ def _settle_journal(anchor: int, journal: str, prefix: str, destination: Storage
             return  # another destination's: kept for a run that writes there
         if record.get("remove_on_rollback") is True:
             _roll_back_remote(destination, _journal_files(record))
+        _abort_uploads(anchor, staging, destination)
     remove_tree(anchor, staging)
     remove_journal(anchor, journal)
 
@@ -314,7 +316,25 @@ def _settle_staging(
         return
     if destination.local:
         _restore_replaced(anchor, name)
+    else:
+        _abort_uploads(anchor, name, destination)
     remove_tree(anchor, name)
+
+
+def _abort_uploads(anchor: int, staging: str, destination: Storage) -> None:
+    """Abort the multipart uploads a dead owner's staging folder lists, when they went to
+    ``destination`` (their parts are invisible, but stored until aborted)."""
+    try:
+        folder = open_folder(staging, anchor)
+    except OSError:
+        return
+    try:
+        data = _read_small(multipart.UPLOADS_FILE, folder, _JOURNAL_LIMIT)
+    finally:
+        os.close(folder)
+    if data is not None:
+        with contextlib.suppress(ValueError):
+            multipart.abort_recorded(json.loads(data), destination, destination_id(destination))
 
 
 def _roll_back_local(anchor: int, staging: str, files: list[dict[str, Any]]) -> None:

@@ -39,7 +39,7 @@ from ...errors import MismatchError, PickleLimitError, UnsafePickleError, UsageE
 from ...reading import strided_view
 
 if TYPE_CHECKING:
-    from ...storage import RangedFile
+    from ...storage import RangedOutput
 
 __all__ = [
     "ALIGNMENT",
@@ -150,7 +150,7 @@ class RangedZip:
         into :attr:`slots`."""
         return [i for i, slot in enumerate(self.slots) if slot.data is None]
 
-    def write_records(self, file: RangedFile) -> None:
+    def write_records(self, file: RangedOutput) -> None:
         """Write every member whose bytes are known: the pickle, the small records, and the
         storages already in memory."""
         for i, content in enumerate(self._contents):
@@ -161,7 +161,7 @@ class RangedZip:
                 file.write_at(self._members[i].offset, _with_crc(self._headers[i], crc) + data)
 
     def write_storage(
-        self, file: RangedFile, index: int, chunks: Iterable[bytes | memoryview | CheckedBytes]
+        self, file: RangedOutput, index: int, chunks: Iterable[bytes | memoryview | CheckedBytes]
     ) -> None:
         """Write storage ``index`` (of :attr:`slots`) from its pieces, then its header with
         their CRC-32; another thread may be writing another storage meanwhile."""
@@ -177,7 +177,7 @@ class RangedZip:
         needs from each process that wrote some of the storages."""
         return {i: m.crc for i, m in enumerate(self._members) if i in self._written}
 
-    def finish(self, file: RangedFile, crcs: Iterable[dict[int, int]] = ()) -> int:
+    def finish(self, file: RangedOutput, crcs: Iterable[dict[int, int]] = ()) -> int:
         """Write the central directory after the members (every storage written, here or by
         processes whose :meth:`crcs` are given); the file's size."""
         for found in crcs:

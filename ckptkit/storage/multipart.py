@@ -1,0 +1,213 @@
+"""One output file going to an object store as a multipart upload (the S3 protocol, through
+s3fs), written at offsets by several threads at once, as a :class:`.RangedFile` is locally.
+
+The file is cut into blocks of one part each (:func:`part_bytes`). A block is uploaded as its
+part as soon as all its bytes are written: straight from the writer's buffer when one write
+covers it, else gathered in memory, so nothing is staged on local disk and a writer holds at
+most the block it is in (and the blocks it shares with the writers beside it). The object
+appears, whole, only when the upload is completed (:meth:`RangedUpload.complete`, on publish);
+:meth:`RangedUpload.abort` takes every part back. The upload's id is recorded in the output's
+staging folder (:func:`record_uploads`), so the next run aborts what a killed one left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .. import tunables
+from ..errors import DestinationError
+from .store import Storage
+
+__all__ = [
+    "MAX_PARTS",
+    "MIN_PART_BYTES",
+    "UPLOADS_FILE",
+    "RangedUpload",
+    "abort_recorded",
+    "part_bytes",
+    "record_uploads",
+    "supported",
+]
+
+#: The S3 protocol's bounds: every part but the last at least this large, at most this many.
+MIN_PART_BYTES = 5 << 20
+MAX_PARTS = 10_000
+#: The file in a staging folder listing its uploads in progress (for the next run to abort).
+UPLOADS_FILE = "uploads.json"
+
+
+def supported(destination: Storage) -> bool:
+    """Whether ``destination`` is an object store whose multipart uploads this module drives
+    (s3fs: ``s3://``)."""
+    return not destination.local and callable(getattr(destination.fs, "call_s3", None))
+
+
+def part_bytes(size: int) -> int:
+    """The part size for a file of ``size`` bytes: :data:`~ckptkit.tunables.UPLOAD_PART_BYTES`,
+    at least the protocol's minimum, and large enough for ``size`` in :data:`MAX_PARTS` parts
+    (whole MiB)."""
+    wanted = max(tunables.UPLOAD_PART_BYTES, MIN_PART_BYTES, -(-size // MAX_PARTS))
+    return -(-wanted // (1 << 20)) << 20
+
+
+class RangedUpload:
+    """A multipart upload of ``size`` bytes to ``name`` in ``destination``, written at offsets
+    (:meth:`write_at`, :meth:`writer_at`) by several threads at once; its store errors come out
+    as ckptkit errors naming the final file."""
+
+    def __init__(self, destination: Storage, name: str, size: int) -> None:
+        self._destination, self.name, self.size = destination, name, size
+        self.block = part_bytes(size)
+        bucket, key, _ = destination.fs.split_path(destination.path(name))
+        self._where = {"Bucket": bucket, "Key": key}
+        self.upload_id: str = self._call("create_multipart_upload")["UploadId"]
+        self._lock = threading.Lock()
+        self._partial: dict[int, bytearray] = {}  # blocks written in part, by index
+        self._filled: dict[int, int] = {}  # their bytes written
+        self._etags: dict[int, str | None] = {}  # uploaded (or being uploaded) blocks
+        self._closed = False
+        self._finished = False  # completed or aborted
+
+    @property
+    def record(self) -> dict[str, str]:
+        """What the next run needs to abort this upload."""
+        return {"name": self.name, **self._where, "upload_id": self.upload_id}
+
+    def _call(self, operation: str, **kwargs: Any) -> Any:
+        fs = self._destination.fs
+        if operation != "create_multipart_upload":
+            kwargs["UploadId"] = self.upload_id
+        return self._destination._call(self.name, fs.call_s3, operation, **self._where, **kwargs)
+
+    def _span(self, index: int) -> tuple[int, int]:
+        start = index * self.block
+        return start, min(start + self.block, self.size)
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write all of ``data`` at ``offset`` (a range no other thread writes); every block
+        it completes is uploaded before this returns."""
+        view = memoryview(data).cast("B")
+        end = offset + view.nbytes
+        if self._closed:
+            raise ValueError(f"{self.name}: written after it was closed")
+        if offset < 0 or end > self.size:
+            raise DestinationError(
+                f"{self._destination.describe(self.name)}: bytes {offset}-{end} written beyond "
+                f"its planned size of {self.size}"
+            )
+        position, index = offset, offset // self.block
+        while position < end:
+            start, stop = self._span(index)
+            piece = view[position - offset : min(end, stop) - offset]
+            whole = self._place(index, start, stop, position, piece)
+            if whole is not None:
+                self._upload(index, whole)
+            position, index = stop, index + 1
+
+    def _place(
+        self, index: int, start: int, stop: int, position: int, piece: memoryview
+    ) -> memoryview | bytearray | None:
+        """Put ``piece`` into block ``index``; the block's bytes when it is now whole."""
+        with self._lock:
+            if index in self._etags:
+                raise DestinationError(
+                    f"{self._destination.describe(self.name)}: bytes at {position} written twice"
+                )
+            if position == start and piece.nbytes == stop - start and index not in self._partial:
+                self._etags[index] = None
+                return piece  # the whole block in one write: sent from the writer's buffer
+            buffer = self._partial.get(index)
+            if buffer is None:
+                buffer = self._partial[index] = bytearray(stop - start)
+            buffer[position - start : position - start + piece.nbytes] = piece
+            self._filled[index] = self._filled.get(index, 0) + piece.nbytes
+            if self._filled[index] < stop - start:
+                return None
+            del self._partial[index], self._filled[index]
+            self._etags[index] = None
+            return buffer
+
+    def _upload(self, index: int, body: memoryview | bytearray) -> None:
+        found = self._call("upload_part", PartNumber=index + 1, Body=bytes(body))
+        with self._lock:
+            self._etags[index] = found["ETag"]
+
+    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
+        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
+        position = offset
+
+        def write(data: bytes | memoryview) -> None:
+            nonlocal position
+            self.write_at(position, data)
+            position += memoryview(data).nbytes
+
+        return write
+
+    def close(self) -> None:
+        """No more writes (the upload stays open until completed or aborted)."""
+        self._closed = True
+
+    def complete(self) -> None:
+        """Upload what no write completed (bytes never written are zeros, as in a pre-sized
+        file) and complete the upload: the object appears, whole."""
+        with self._lock:
+            pending = list(self._partial.items())
+            self._partial.clear()
+            self._filled.clear()
+            blocks = max(1, -(-self.size // self.block))
+            gathered = {index for index, _ in pending}
+            for index in range(blocks):
+                if index not in self._etags and index not in gathered:
+                    start, stop = self._span(index)
+                    pending.append((index, bytearray(stop - start)))
+            for index, _ in pending:
+                self._etags[index] = None
+        for index, buffer in pending:
+            self._upload(index, buffer)
+        parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(blocks)]
+        self._call("complete_multipart_upload", MultipartUpload={"Parts": parts})
+        self._finished = True
+
+    def abort(self) -> None:
+        """Take every part back (best effort; again: nothing happens)."""
+        if self._finished:
+            return
+        self._finished = True
+        with contextlib.suppress(Exception):  # the store's own lifecycle rules end what is left
+            self._call("abort_multipart_upload")
+
+
+def record_uploads(staging: str, uploads: Iterable[RangedUpload], destination_id: str) -> None:
+    """List ``uploads`` in the staging folder ``staging`` (ours, mode 0700), replacing the
+    last list, so a run that finds the folder's owner gone aborts them."""
+    record = {"destination": destination_id, "uploads": [u.record for u in uploads]}
+    temporary = os.path.join(staging, UPLOADS_FILE + ".new")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(record, handle)
+    os.replace(temporary, os.path.join(staging, UPLOADS_FILE))
+
+
+def abort_recorded(record: Any, destination: Storage, destination_id: str) -> None:
+    """Abort the uploads a killed run listed (:func:`record_uploads`) when they went to
+    ``destination``; best effort."""
+    if not isinstance(record, dict) or record.get("destination") != destination_id:
+        return
+    if not supported(destination):
+        return
+    for upload in record.get("uploads") or []:
+        if not isinstance(upload, dict):
+            continue
+        try:
+            destination.fs.call_s3(
+                "abort_multipart_upload",
+                Bucket=str(upload["Bucket"]),
+                Key=str(upload["Key"]),
+                UploadId=str(upload["upload_id"]),
+            )
+        except Exception:  # noqa: BLE001, S112 - gone already, or the store ends it later
+            continue
