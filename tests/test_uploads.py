@@ -158,3 +158,35 @@ def test_a_killed_runs_upload_is_aborted_by_the_next_run(s3, large, bucket, tmp_
             fs.cat_file(f"{bucket}/killed/{file.name}")
             == (tmp_path / "local" / file.name).read_bytes()
         )
+
+
+def test_pieces_in_any_order_from_many_threads_make_the_object(s3, bucket):
+    """Blocks filled by several writers, in any order, one byte or a block at a time, and a
+    gap never written (zeros): the object is exactly the bytes, and a second write to a byte
+    already sent is refused."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ckptkit.errors import DestinationError
+    from ckptkit.storage import Storage
+
+    size = 3 * PART + 12345
+    data = bytearray(random.Random(3).randbytes(size))
+    gap = (PART + 100, PART + 200)
+    data[gap[0] : gap[1]] = bytes(gap[1] - gap[0])
+    cuts = sorted({0, size, *random.Random(4).sample(range(1, size), 60), PART, 2 * PART, *gap})
+    pieces = [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if (a, b) != gap]
+    random.Random(5).shuffle(pieces)
+    upload = multipart.RangedUpload(Storage(f"s3://{bucket}/direct"), "blob.bin", size)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda piece: upload.write_at(piece[0], data[piece[0] : piece[1]]), pieces))
+    with pytest.raises(DestinationError, match="written twice"):
+        upload.write_at(0, b"x")
+    with pytest.raises(DestinationError, match="beyond its planned size"):
+        upload.write_at(size - 1, b"xy")
+    upload.close()
+    upload.complete()
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/direct/blob.bin") == bytes(data)
+    assert uploads_in_progress(bucket) == []

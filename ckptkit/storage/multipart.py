@@ -38,7 +38,7 @@ __all__ = [
 MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
 #: The file in a staging folder listing its uploads in progress (for the next run to abort).
-UPLOADS_FILE = "uploads.json"
+UPLOADS_FILE = ".ckptkit-uploads.json"  # a reserved name: no output takes it
 
 
 def supported(destination: Storage) -> bool:
