@@ -116,13 +116,13 @@ DIE_AFTER_A_PART = textwrap.dedent(
     from ckptkit.storage import multipart
 
     tunables.UPLOAD_PART_BYTES = multipart.MIN_PART_BYTES
-    upload = multipart.RangedUpload._upload
+    send = multipart.RangedUpload._send
 
-    def dying(self, index, body):
-        upload(self, index, body)
+    def dying(self, index, data):
+        send(self, index, data)
         os._exit(9)
 
-    multipart.RangedUpload._upload = dying
+    multipart.RangedUpload._send = dying
     import ckptkit
     ckptkit.unshard(sys.argv[1], sys.argv[2], to="safetensors", progress=False)
     """
@@ -189,4 +189,22 @@ def test_pieces_in_any_order_from_many_threads_make_the_object(s3, bucket):
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()
     assert fs.cat_file(f"{bucket}/direct/blob.bin") == bytes(data)
+    assert uploads_in_progress(bucket) == []
+
+
+def test_a_part_the_store_refuses_fails_the_job_and_leaves_nothing(s3, large, bucket):
+    from ckptkit.errors import AccessDeniedError
+
+    destination = f"s3://{bucket}/refused"
+    s3.traffic.reset()
+    s3.traffic.fail(
+        lambda method, path: method == "PUT" and path.endswith("/refused/model.safetensors"),
+        status=403,
+        code="AccessDenied",
+    )
+    with pytest.raises(AccessDeniedError, match=r"refused/model\.safetensors"):
+        ckptkit.unshard(str(large), destination, to="safetensors", workers=2, progress=False)
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert fs.find(f"{bucket}/refused") == []
     assert uploads_in_progress(bucket) == []

@@ -1,10 +1,11 @@
 """One output file going to an object store as a multipart upload (the S3 protocol, through
 s3fs), written at offsets by several threads at once, as a :class:`.RangedFile` is locally.
 
-The file is cut into blocks of one part each (:func:`part_bytes`). A block is uploaded as its
-part as soon as all its bytes are written: straight from the writer's buffer when one write
-covers it, else gathered in memory, so nothing is staged on local disk and a writer holds at
-most the block it is in (and the blocks it shares with the writers beside it). The object
+The file is cut into blocks of one part each (:func:`part_bytes`). A block is sent as its part
+as soon as all its bytes are written (gathered in memory unless one write covers it), in the
+background, at most :data:`PARTS_IN_FLIGHT` at a time: nothing is staged on local disk, and
+memory holds the parts travelling plus the block each writer is in (and the blocks it shares
+with the writers beside it). The object
 appears, whole, only when the upload is completed (:meth:`RangedUpload.complete`, on publish);
 :meth:`RangedUpload.abort` takes every part back. The upload's id is recorded in the output's
 staging folder (:func:`record_uploads`), so the next run aborts what a killed one left.
@@ -17,6 +18,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .. import tunables
@@ -26,6 +28,7 @@ from .store import Storage
 __all__ = [
     "MAX_PARTS",
     "MIN_PART_BYTES",
+    "PARTS_IN_FLIGHT",
     "UPLOADS_FILE",
     "RangedUpload",
     "abort_recorded",
@@ -37,6 +40,9 @@ __all__ = [
 #: The S3 protocol's bounds: every part but the last at least this large, at most this many.
 MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
+#: Parts of one upload travelling at once (their bytes held meanwhile), so writers go on
+#: writing while their parts are sent.
+PARTS_IN_FLIGHT = 4
 #: The file in a staging folder listing its uploads in progress (for the next run to abort).
 UPLOADS_FILE = ".ckptkit-uploads.json"  # a reserved name: no output takes it
 
@@ -72,6 +78,10 @@ class RangedUpload:
         self._etags: dict[int, str | None] = {}  # uploaded (or being uploaded) blocks
         self._closed = False
         self._finished = False  # completed or aborted
+        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+        self._pool: ThreadPoolExecutor | None = None  # made for the first part
+        self._sending: set[Future] = set()
+        self._failure: BaseException | None = None  # the first part that could not be sent
 
     @property
     def record(self) -> dict[str, str]:
@@ -90,7 +100,7 @@ class RangedUpload:
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
         """Write all of ``data`` at ``offset`` (a range no other thread writes); every block
-        it completes is uploaded before this returns."""
+        it completes is on its way as a part when this returns."""
         view = memoryview(data).cast("B")
         end = offset + view.nbytes
         if self._closed:
@@ -133,9 +143,49 @@ class RangedUpload:
             return buffer
 
     def _upload(self, index: int, body: memoryview | bytearray) -> None:
-        found = self._call("upload_part", PartNumber=index + 1, Body=bytes(body))
+        """Send block ``index`` in the background (its bytes copied: the writer's buffer is
+        reused once this returns); waits while :data:`PARTS_IN_FLIGHT` parts travel."""
+        self._raise_failure()
+        data = bytes(body)
+        self._slots.acquire()
         with self._lock:
-            self._etags[index] = found["ETag"]
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, "ckptkit-upload")
+            future = self._pool.submit(self._send, index, data)
+            self._sending.add(future)
+        future.add_done_callback(self._sent)
+
+    def _send(self, index: int, data: bytes) -> None:
+        try:
+            found = self._call("upload_part", PartNumber=index + 1, Body=data)
+            with self._lock:
+                self._etags[index] = found["ETag"]
+        except BaseException as exc:
+            with self._lock:
+                self._failure = self._failure or exc
+            raise
+        finally:
+            self._slots.release()
+
+    def _sent(self, future: Future) -> None:
+        with self._lock:
+            self._sending.discard(future)
+
+    def _raise_failure(self) -> None:
+        """A part that could not be sent fails the writer that comes next, and the completion."""
+        if self._failure is not None:
+            raise self._failure
+
+    def _stop_sending(self, cancel: bool) -> None:
+        """Wait for the parts travelling (cancelling those not started, with ``cancel``)."""
+        with self._lock:
+            pending, pool, self._pool = list(self._sending), self._pool, None
+        if cancel:
+            for future in pending:
+                future.cancel()
+        wait(pending)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
         """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
@@ -169,6 +219,8 @@ class RangedUpload:
                 self._etags[index] = None
         for index, buffer in pending:
             self._upload(index, buffer)
+        self._stop_sending(cancel=False)
+        self._raise_failure()
         parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(blocks)]
         self._call("complete_multipart_upload", MultipartUpload={"Parts": parts})
         self._finished = True
@@ -178,6 +230,7 @@ class RangedUpload:
         if self._finished:
             return
         self._finished = True
+        self._stop_sending(cancel=True)
         with contextlib.suppress(Exception):  # the store's own lifecycle rules end what is left
             self._call("abort_multipart_upload")
 
