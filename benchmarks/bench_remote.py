@@ -21,12 +21,13 @@ benchmarks/bench_remote.py [--repeat N]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,24 @@ def child_argv(job: str, tool: str, url: str, out: Path) -> list[str]:
     return python_argv(code)
 
 
+@contextlib.contextmanager
+def s3_server() -> Iterator[str]:
+    """The test-suite's S3 server in a process of its own, on 127.0.0.1: its endpoint; it
+    stops on leaving (when its stdin closes)."""
+    server = subprocess.Popen(
+        [sys.executable, str(SERVER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=child_env(**S3_ENV, AWS_ENDPOINT_URL=None),
+        text=True,
+    )
+    try:
+        yield server.stdout.readline().strip()
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
 class TrafficLog:
     """The server process's request log, over HTTP."""
 
@@ -312,15 +331,7 @@ def main() -> None:
     needed = needed_bytes(source)
     total_mib = sum(p.stat().st_size for p in source.iterdir() if p.name != "params.json") / 2**20
 
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=child_env(**S3_ENV, AWS_ENDPOINT_URL=None),
-        text=True,
-    )
-    try:
-        endpoint = server.stdout.readline().strip()
+    with s3_server() as endpoint:
         env = child_env(**S3_ENV, AWS_ENDPOINT_URL=endpoint)
         progress(f"uploading {total_mib:.0f} MiB to the S3 server at {endpoint}")
         upload = run(
@@ -337,11 +348,12 @@ def main() -> None:
             env=env,
         )
         progress(f"uploaded in {upload.wall_s:.1f} s")
-        runs = repeat_interleaved(jobs(TrafficLog(endpoint), "s3://bench/ckpt", env), args.repeat)
-    finally:
-        server.stdin.close()  # the server stops when its stdin closes
-        server.wait(timeout=60)
-        shutil.rmtree(WORK, ignore_errors=True)
+        try:
+            runs = repeat_interleaved(
+                jobs(TrafficLog(endpoint), "s3://bench/ckpt", env), args.repeat
+            )
+        finally:
+            shutil.rmtree(WORK, ignore_errors=True)
     stats = summarize(runs, needed)
     text, goals = report(stats, args.repeat, total_mib)
     print(text)

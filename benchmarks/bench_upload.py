@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import uuid
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from _measure import (  # noqa: E402
     runs_json,
     write_json,
 )
-from bench_remote import S3_ENV, SERVER, ensure_source  # noqa: E402
+from bench_remote import S3_ENV, ensure_source, s3_server  # noqa: E402
 
 WORK = OUT_DIR / "upload_work"
 BUCKET = "bench-upload"
@@ -160,23 +159,16 @@ def main() -> None:
             "to='safetensors', progress=False)"
         )
     )
-    server = subprocess.Popen(
-        [sys.executable, str(SERVER)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=child_env(**S3_ENV, AWS_ENDPOINT_URL=None),
-        text=True,
-    )
-    try:
-        endpoint = server.stdout.readline().strip()
+    with s3_server() as endpoint:
         env = child_env(**S3_ENV, AWS_ENDPOINT_URL=endpoint)
         run(python_argv(f"import fsspec\nfsspec.filesystem('s3').mkdir({BUCKET!r})"), env=env)
         progress(f"S3 server at {endpoint}")
-        runs = repeat_interleaved(jobs(source, floor_dir / "model.safetensors", env), args.repeat)
-    finally:
-        server.stdin.close()  # the server stops when its stdin closes
-        server.wait(timeout=60)
-        shutil.rmtree(WORK, ignore_errors=True)
+        try:
+            runs = repeat_interleaved(
+                jobs(source, floor_dir / "model.safetensors", env), args.repeat
+            )
+        finally:
+            shutil.rmtree(WORK, ignore_errors=True)
     stats = summarize(runs)
     print(report(stats, args.repeat, total_mib))
     print()
