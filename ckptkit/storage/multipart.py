@@ -17,12 +17,13 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from .. import tunables
 from ..errors import DestinationError
+from .staged_files import WritesAtOffsets
 from .store import Storage
 
 __all__ = [
@@ -61,7 +62,7 @@ def part_bytes(size: int) -> int:
     return -(-wanted // (1 << 20)) << 20
 
 
-class RangedUpload:
+class RangedUpload(WritesAtOffsets):
     """A multipart upload of ``size`` bytes to ``name`` in ``destination``, written at offsets
     (:meth:`write_at`, :meth:`writer_at`) by several threads at once; its store errors come out
     as ckptkit errors naming the final file."""
@@ -186,17 +187,6 @@ class RangedUpload:
         wait(pending)
         if pool is not None:
             pool.shutdown(wait=False)
-
-    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
-        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
-        position = offset
-
-        def write(data: bytes | memoryview) -> None:
-            nonlocal position
-            self.write_at(position, data)
-            position += memoryview(data).nbytes
-
-        return write
 
     def close(self) -> None:
         """No more writes (the upload stays open until completed or aborted)."""

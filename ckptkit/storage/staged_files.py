@@ -13,10 +13,27 @@ from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, DestinationError
 
-__all__ = ["RangedFile", "StagedStream"]
+__all__ = ["RangedFile", "StagedStream", "WritesAtOffsets"]
 
 
-class RangedFile:
+class WritesAtOffsets:
+    """What a file written at offsets (its ``write_at``) adds: a stream writer from a place."""
+
+    write_at: Callable[[int, bytes | memoryview], None]
+
+    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
+        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
+        position = offset
+
+        def write(data: bytes | memoryview) -> None:
+            nonlocal position
+            self.write_at(position, data)
+            position += memoryview(data).nbytes
+
+        return write
+
+
+class RangedFile(WritesAtOffsets):
     """An output file under its staging name, pre-sized and written at offsets with
     ``os.pwrite``, so threads write their own byte ranges of it at once; its OSErrors come out
     as :class:`DestinationError` naming the final file."""
@@ -40,17 +57,6 @@ class RangedFile:
                 view, offset = view[done:], offset + done
         except OSError as exc:
             raise self._error(self.name, exc) from exc
-
-    def writer_at(self, offset: int) -> Callable[[bytes | memoryview], None]:
-        """A ``write`` for a stream of pieces starting at ``offset``, each after the last."""
-        position = offset
-
-        def write(data: bytes | memoryview) -> None:
-            nonlocal position
-            self.write_at(position, data)
-            position += memoryview(data).nbytes
-
-        return write
 
     def close(self) -> None:
         """Close the file (again: nothing happens)."""
