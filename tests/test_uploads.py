@@ -52,9 +52,13 @@ def bucket(s3) -> str:
 
 
 @pytest.fixture(autouse=True)
-def small_parts(monkeypatch):
+def small_parts(monkeypatch, s3):
+    """Parts of the minimum size, short retry backoffs; the server's log and pending failures
+    cleared after each test."""
     monkeypatch.setattr(tunables, "UPLOAD_PART_BYTES", PART)
     monkeypatch.setattr(tunables, "RETRY_BACKOFF_S", 0.01)
+    yield
+    s3.traffic.reset()
 
 
 def uploads_in_progress(bucket: str) -> list[str]:
