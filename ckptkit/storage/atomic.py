@@ -4,8 +4,10 @@ killed, failing or refused run leaves the destination as it was, or complete.
 Local destinations stage in a hidden ``.ckptkit-tmp-*`` folder inside them; on commit a journal
 beside it lists the files first, each file is renamed into place (what it replaces kept by a hard
 link until the end), and the journal goes last. Remote destinations stage in the local
-temporary folder and upload on commit, the journal there. A later run settles what a killed one
-left (:mod:`.recovery`): rolled back if its journal is still there, else just removed. Every
+temporary folder and upload on commit, the journal there; a large file to S3 goes up as
+multipart-upload parts while it is written (:mod:`.multipart`), and commit completes the upload.
+A later run settles what a killed one left (:mod:`.recovery`): rolled back if its journal is
+still there, else just removed, its uploads aborted. Every
 rename, link and removal in the destination or a staging folder goes through
 :mod:`.anchored`: never through a symbolic link.
 """
@@ -81,9 +83,10 @@ class AtomicOutput:
 
     Local destinations get a hidden ``.ckptkit-tmp-*`` folder inside them (so the final rename
     stays on one file system); other stores get a local staging folder whose files are uploaded
-    on commit, each appearing whole under its final key (and removed again if a later upload
-    fails). Nothing exists under a final name until :meth:`commit`; :meth:`discard` removes every
-    temporary file, and so does :meth:`commit` whether it succeeds or not. A staging folder's
+    on commit (a large one to S3 is a multipart upload, completed then), each appearing whole
+    under its final key (and removed again if a later upload fails). Nothing exists under a
+    final name until :meth:`commit`; :meth:`discard` removes every temporary file and aborts
+    every upload, and so does :meth:`commit` whether it succeeds or not. A staging folder's
     name records its owner process, and a new AtomicOutput first settles what owners that are
     gone left (a run killed mid-write or mid-commit, see :mod:`.recovery`). Output names must be
     safe relative names (:class:`OutputNameError`); write errors come out as
