@@ -74,7 +74,7 @@ class RangedUpload(WritesAtOffsets):
         self._where = {"Bucket": bucket, "Key": key}
         self.upload_id: str = self._call("create_multipart_upload")["UploadId"]
         self._lock = threading.Lock()
-        self._partial: dict[int, bytearray] = {}  # blocks written in part, by index
+        self._partial: dict[int, list[tuple[int, bytes]]] = {}  # pieces of blocks written in part
         self._filled: dict[int, int] = {}  # their bytes written
         self._etags: dict[int, str | None] = {}  # uploaded (or being uploaded) blocks
         self._closed = False
@@ -122,8 +122,10 @@ class RangedUpload(WritesAtOffsets):
 
     def _place(
         self, index: int, start: int, stop: int, position: int, piece: memoryview
-    ) -> memoryview | bytearray | None:
-        """Put ``piece`` into block ``index``; the block's bytes when it is now whole."""
+    ) -> memoryview | bytes | None:
+        """Put ``piece`` into block ``index``; the block's bytes when it is now whole. A block
+        written in part keeps only the pieces written (copied): a file whose first bytes are
+        written early (a header) holds those, not a whole block, until the rest comes."""
         with self._lock:
             if index in self._etags:
                 raise DestinationError(
@@ -132,22 +134,20 @@ class RangedUpload(WritesAtOffsets):
             if position == start and piece.nbytes == stop - start and index not in self._partial:
                 self._etags[index] = None
                 return piece  # the whole block in one write: sent from the writer's buffer
-            buffer = self._partial.get(index)
-            if buffer is None:
-                buffer = self._partial[index] = bytearray(stop - start)
-            buffer[position - start : position - start + piece.nbytes] = piece
+            self._partial.setdefault(index, []).append((position, bytes(piece)))
             self._filled[index] = self._filled.get(index, 0) + piece.nbytes
             if self._filled[index] < stop - start:
                 return None
-            del self._partial[index], self._filled[index]
+            pieces = self._partial.pop(index)
+            del self._filled[index]
             self._etags[index] = None
-            return buffer
+        return _joined(pieces, start, stop)
 
-    def _upload(self, index: int, body: memoryview | bytearray) -> None:
+    def _upload(self, index: int, body: memoryview | bytes) -> None:
         """Send block ``index`` in the background (its bytes copied: the writer's buffer is
         reused once this returns); waits while :data:`PARTS_IN_FLIGHT` parts travel."""
         self._raise_failure()
-        data = bytes(body)
+        data = body if isinstance(body, bytes) else bytes(body)
         self._slots.acquire()
         with self._lock:
             if self._pool is None:
@@ -196,19 +196,14 @@ class RangedUpload(WritesAtOffsets):
         """Upload what no write completed (bytes never written are zeros, as in a pre-sized
         file) and complete the upload: the object appears, whole."""
         with self._lock:
-            pending = list(self._partial.items())
-            self._partial.clear()
-            self._filled.clear()
             blocks = max(1, -(-self.size // self.block))
-            gathered = {index for index, _ in pending}
-            for index in range(blocks):
-                if index not in self._etags and index not in gathered:
-                    start, stop = self._span(index)
-                    pending.append((index, bytearray(stop - start)))
-            for index, _ in pending:
+            pending = [i for i in range(blocks) if i not in self._etags]
+            pieces = {i: self._partial.pop(i, []) for i in pending}
+            self._filled.clear()
+            for index in pending:
                 self._etags[index] = None
-        for index, buffer in pending:
-            self._upload(index, buffer)
+        for index in pending:
+            self._upload(index, _joined(pieces[index], *self._span(index)))
         self._stop_sending(cancel=False)
         self._raise_failure()
         parts = [{"PartNumber": i + 1, "ETag": self._etags[i]} for i in range(blocks)]
@@ -223,6 +218,19 @@ class RangedUpload(WritesAtOffsets):
         self._stop_sending(cancel=True)
         with contextlib.suppress(Exception):  # the store's own lifecycle rules end what is left
             self._call("abort_multipart_upload")
+
+
+def _joined(pieces: list[tuple[int, bytes]], start: int, stop: int) -> bytes:
+    """The bytes ``start``-``stop`` of a file from its ``pieces`` (offset, bytes), zeros where
+    none was written (as in a pre-sized file)."""
+    pieces = sorted(pieces)
+    ends = [start, *(position + len(data) for position, data in pieces)]
+    if ends[-1] == stop and all(p == e for (p, _), e in zip(pieces, ends, strict=False)):
+        return b"".join(data for _, data in pieces)  # contiguous: one copy
+    block = bytearray(stop - start)
+    for position, data in pieces:
+        block[position - start : position - start + len(data)] = data
+    return bytes(block)
 
 
 def record_uploads(staging: str, uploads: Iterable[RangedUpload], destination_id: str) -> None:
