@@ -104,6 +104,7 @@ class AtomicOutput:
         self._journal: str | None = None  # beside the staging folder while publishing
         self._stuck = False  # a take-back failed: the journal stays for the next run
         self._uploads: dict[str, RangedUpload] = {}  # files going up as multipart uploads
+        self._sender = multipart.PartSender()  # their parts on the way, all files together
         try:
             if self.local:
                 self._created = _missing_folders(destination.root)
@@ -204,7 +205,7 @@ class AtomicOutput:
             self._check_new(name)
             self._register(name)
         try:
-            upload = multipart.RangedUpload(self.destination, name, size)
+            upload = multipart.RangedUpload(self.destination, name, size, self._sender)
         except OSError as exc:
             raise self._error(name, exc) from exc
         with self._lock:
@@ -477,6 +478,7 @@ class AtomicOutput:
             return  # the next run finishes taking the published files back
         for upload in self._uploads.values():
             upload.abort()  # those not completed
+        self._sender.close()
         with contextlib.suppress(OSError):
             anchor = open_anchor(self._parent)
             try:

@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "MAX_PARTS",
     "MIN_PART_BYTES",
     "PARTS_IN_FLIGHT",
+    "PartSender",
     "UPLOADS_FILE",
     "RangedUpload",
     "abort_recorded",
@@ -41,8 +42,8 @@ __all__ = [
 #: The S3 protocol's bounds: every part but the last at least this large, at most this many.
 MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
-#: Parts of one upload travelling at once (their bytes held meanwhile), so writers go on
-#: writing while their parts are sent.
+#: Parts of one output's uploads travelling at once (their bytes held meanwhile), so writers
+#: go on writing while their parts are sent.
 PARTS_IN_FLIGHT = 4
 #: The file in a staging folder listing its uploads in progress (for the next run to abort).
 UPLOADS_FILE = ".ckptkit-uploads.json"  # a reserved name: no output takes it
@@ -62,12 +63,41 @@ def part_bytes(size: int) -> int:
     return -(-wanted // (1 << 20)) << 20
 
 
+class PartSender:
+    """The parts of one output's uploads on their way: at most :data:`PARTS_IN_FLIGHT` at a
+    time whatever the number of files (their bytes held meanwhile), on one pool's threads."""
+
+    def __init__(self) -> None:
+        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # made for the first part
+
+    def submit(self, send: Callable[..., None], *args: Any) -> Future:
+        """``send(*args)`` on the pool, once a slot is free (waiting for one)."""
+        self._slots.acquire()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, "ckptkit-upload")
+            future = self._pool.submit(send, *args)
+        future.add_done_callback(lambda _: self._slots.release())  # cancelled ones too
+        return future
+
+    def close(self) -> None:
+        """Let the pool's threads go (after the parts on their way; again: nothing happens)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 class RangedUpload(WritesAtOffsets):
     """A multipart upload of ``size`` bytes to ``name`` in ``destination``, written at offsets
     (:meth:`write_at`, :meth:`writer_at`) by several threads at once; its store errors come out
     as ckptkit errors naming the final file."""
 
-    def __init__(self, destination: Storage, name: str, size: int) -> None:
+    def __init__(
+        self, destination: Storage, name: str, size: int, sender: PartSender | None = None
+    ) -> None:
         self._destination, self.name, self.size = destination, name, size
         self.block = part_bytes(size)
         bucket, key, _ = destination.fs.split_path(destination.path(name))
@@ -79,9 +109,8 @@ class RangedUpload(WritesAtOffsets):
         self._etags: dict[int, str | None] = {}  # uploaded (or being uploaded) blocks
         self._closed = False
         self._finished = False  # completed or aborted
-        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
-        self._pool: ThreadPoolExecutor | None = None  # made for the first part
-        self._sending: set[Future] = set()
+        self._sender = sender if sender is not None else PartSender()
+        self._sending: set[Future] = set()  # this file's parts on their way
         self._failure: BaseException | None = None  # the first part that could not be sent
 
     @property
@@ -145,14 +174,12 @@ class RangedUpload(WritesAtOffsets):
 
     def _upload(self, index: int, body: memoryview | bytes) -> None:
         """Send block ``index`` in the background (its bytes copied: the writer's buffer is
-        reused once this returns); waits while :data:`PARTS_IN_FLIGHT` parts travel."""
+        reused once this returns); waits while :data:`PARTS_IN_FLIGHT` parts of the output
+        travel."""
         self._raise_failure()
         data = body if isinstance(body, bytes) else bytes(body)
-        self._slots.acquire()
+        future = self._sender.submit(self._send, index, data)
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, "ckptkit-upload")
-            future = self._pool.submit(self._send, index, data)
             self._sending.add(future)
         future.add_done_callback(self._sent)
 
@@ -165,8 +192,6 @@ class RangedUpload(WritesAtOffsets):
             with self._lock:
                 self._failure = self._failure or exc
             raise
-        finally:
-            self._slots.release()
 
     def _sent(self, future: Future) -> None:
         with self._lock:
@@ -180,13 +205,11 @@ class RangedUpload(WritesAtOffsets):
     def _stop_sending(self, cancel: bool) -> None:
         """Wait for the parts travelling (cancelling those not started, with ``cancel``)."""
         with self._lock:
-            pending, pool, self._pool = list(self._sending), self._pool, None
+            pending = list(self._sending)
         if cancel:
             for future in pending:
                 future.cancel()
         wait(pending)
-        if pool is not None:
-            pool.shutdown(wait=False)
 
     def close(self) -> None:
         """No more writes (the upload stays open until completed or aborted)."""
