@@ -14,6 +14,7 @@ import math
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -137,14 +138,22 @@ def _run_rank(
         raise RuntimeError(str(exc)) from exc
     finally:
         dist.destroy_process_group()
+    # Done, its files closed: end here rather than in interpreter shutdown, where objects torch
+    # still holds (device meshes, DTensors' groups) are destroyed while gloo's threads may still
+    # need the interpreter, and the process can abort ("terminate called without an active
+    # exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run `fn(rank, world_size, *args)` in `world_size` fresh processes sharing a gloo group.
 
     `fn` must be a top-level function of an importable module (it is pickled by reference).
-    A rank killed by a signal (gloo aborts now and then on a loaded machine, seen a few times in
-    hundreds of runs) gets one more try with fresh processes: `fn` must be safe to repeat.
+    A rank killed by a signal (gloo aborted now and then at interpreter exit on a loaded machine,
+    before ranks ended by `os._exit`) gets one more try with fresh processes: `fn` must be safe
+    to repeat.
     """
     for attempt in range(2):
         with tempfile.TemporaryDirectory(prefix="ckptkit-spawn-") as scratch:
