@@ -78,6 +78,7 @@ CATEGORIES: list[Category] = [
     R("ranks", "tests/test_distributed.py::test_two_*", "torchrun / c10d 2-rank jobs"),
     R("ranks", "tests/test_distributed.py::test_a_*_rank_*", "failing, killed, hung ranks"),
     R("ranks", "tests/test_scale.py::*torchrun*", "the API under torchrun, 2 and 4 ranks"),
+    R("ranks", "tests/test_uploads.py::*torchrun*", "torchrun ranks sharing one S3 upload"),
     R("ranks", "tests/test_scale.py::test_a_rank_killed_*", "torchrun, one rank killed"),
     R("ranks", "tests/test_scale.py::test_cli_on_two_hosts_*", "two torchrun agents, S3"),
     R("ranks", "tests/test_convert.py::*_by_torch_at_two_ranks", "torch loads at 2 ranks"),

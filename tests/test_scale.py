@@ -17,6 +17,7 @@ from ckptkit import tunables
 from ckptkit.errors import ChecksumError, UsageError
 from ckptkit.ops import work
 
+from isolated import torchrun
 from oracle import assert_same_structure, digests, torch_unsharded
 
 #: Small enough that the sample's model and optimizer split into many shards: many work items.
@@ -259,19 +260,6 @@ OTHER_SOURCES = [
     FIXTURES / "megatron_mcore016_gpt_tp2_ws2" / "checkpoint",
     FIXTURES / "olmo_core3_trainer_ws2" / "step3",
 ]
-
-
-def torchrun(*args: object, nproc: int = 2, timeout: float = 300, env: dict | None = None):
-    """``torchrun --standalone --nproc-per-node N args…``; fails the test unless it exits 0."""
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(nproc), *map(str, args)]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -66,6 +66,14 @@ def uploads_in_progress(bucket: str) -> list[str]:
     return [upload["Key"] for upload in found.get("Uploads", [])]
 
 
+def assert_objects_equal(prefix: str, folder: Path) -> None:
+    """Every file in the local ``folder`` is an object under ``prefix`` with the same bytes."""
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    for file in folder.iterdir():
+        assert fs.cat_file(f"{prefix}/{file.name}") == file.read_bytes(), file.name
+
+
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("to", ["torch", "safetensors"])
 def test_a_large_file_goes_up_in_parts_as_it_is_written(s3, large, bucket, tmp_path, to, workers):
@@ -73,14 +81,8 @@ def test_a_large_file_goes_up_in_parts_as_it_is_written(s3, large, bucket, tmp_p
     destination = f"s3://{bucket}/out"
     s3.traffic.reset()
     result = ckptkit.unshard(str(large), destination, to=to, workers=workers, progress=False)
-    fs = fsspec.filesystem("s3")
-    fs.invalidate_cache()
     assert [f.name for f in result.files] == [f.name for f in local.files]
-    for file in local.files:
-        assert (
-            fs.cat_file(f"{bucket}/out/{file.name}")
-            == (tmp_path / "local" / file.name).read_bytes()
-        )
+    assert_objects_equal(f"{bucket}/out", tmp_path / "local")
     model = next(f for f in local.files if f.name.startswith("model."))
     requests = [r for r in s3.traffic.snapshot() if r.path == f"/{bucket}/out/{model.name}"]
     parts = [r for r in requests if r.method == "PUT" and "partNumber" in parse_qs(r.query)]
@@ -154,14 +156,8 @@ def test_a_killed_runs_upload_is_aborted_by_the_next_run(s3, large, bucket, tmp_
     ckptkit.unshard(str(large), destination, to="safetensors", progress=False)
     assert uploads_in_progress(bucket) == []
     assert list(staging.iterdir()) == []
-    local = ckptkit.unshard(str(large), str(tmp_path / "local"), to="safetensors", progress=False)
-    fs = fsspec.filesystem("s3")
-    fs.invalidate_cache()
-    for file in local.files:
-        assert (
-            fs.cat_file(f"{bucket}/killed/{file.name}")
-            == (tmp_path / "local" / file.name).read_bytes()
-        )
+    ckptkit.unshard(str(large), str(tmp_path / "local"), to="safetensors", progress=False)
+    assert_objects_equal(f"{bucket}/killed", tmp_path / "local")
 
 
 def test_pieces_in_any_order_from_many_threads_make_the_object(s3, bucket):
@@ -211,4 +207,127 @@ def test_a_part_the_store_refuses_fails_the_job_and_leaves_nothing(s3, large, bu
     fs = fsspec.filesystem("s3")
     fs.invalidate_cache()
     assert fs.find(f"{bucket}/refused") == []
+    assert uploads_in_progress(bucket) == []
+
+
+#: A torchrun job unsharding into S3, every rank writing parts of the one large file. argv:
+#: source, destination, target, workers, folder for each rank's result (files, or the error).
+SHARED_UPLOAD = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch.distributed as dist
+    import ckptkit
+    from ckptkit import tunables
+    from ckptkit.storage import multipart
+
+    tunables.UPLOAD_PART_BYTES = multipart.MIN_PART_BYTES
+    tunables.SPLIT_FILE_BYTES = 0
+    dist.init_process_group("gloo")
+    src, dst, to, workers, out = sys.argv[1:6]
+    try:
+        result = ckptkit.unshard(src, dst, to=to, workers=int(workers), progress=False)
+        found = [[f.name, f.nbytes] for f in result.files]
+    except Exception as exc:
+        found = [type(exc).__name__, str(exc)]
+    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(found, handle)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run_shared_upload(tmp_path, source, destination, to, workers) -> tuple[list, Path]:
+    """Run :data:`SHARED_UPLOAD` on 2 ranks (each with its own staging folder); each rank's
+    result and the folder of their logs."""
+    import json
+
+    from isolated import torchrun
+
+    script, out, logs = tmp_path / "job.py", tmp_path / "results", tmp_path / "logs"
+    script.write_text(SHARED_UPLOAD)
+    out.mkdir()
+    staging = tmp_path / "tmp"
+    staging.mkdir()
+    env = {"CKPTKIT_RANK_LOGS": str(logs), "TMPDIR": str(staging)}
+    torchrun(script, source, destination, to, workers, out, env=env)
+    assert list(staging.glob("*ckptkit*")) == []  # no staging folder left on any rank
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)], logs
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("to", ["torch", "safetensors"])
+def test_ranks_under_torchrun_share_one_upload(s3, large, bucket, tmp_path, to, workers):
+    """Two ranks write parts of the one large object: each sends the parts it wrote whole,
+    hands the blocks it shares with the other rank to the one that started the upload, which
+    completes it. The object equals one process's file; every part goes up once."""
+    import re
+
+    local = ckptkit.unshard(str(large), str(tmp_path / "local"), to=to, progress=False)
+    destination = f"s3://{bucket}/shared"
+    s3.traffic.reset()
+    results, logs = _run_shared_upload(tmp_path, large, destination, to, workers)
+    expected = [[f.name, f.nbytes] for f in local.files]
+    assert results == [expected, expected]
+    assert_objects_equal(f"{bucket}/shared", tmp_path / "local")
+    model = next(f for f in local.files if f.name.startswith("model."))
+    for rank in range(2):  # each rank wrote parts of it
+        text = (logs / f"rank{rank}.log").read_text()
+        found = re.search(rf"writing (\d+) of the (\d+) parts of {re.escape(model.name)} ", text)
+        assert found and int(found[1]) >= 1 and int(found[2]) == 2 * workers, text
+    requests = [r for r in s3.traffic.snapshot() if r.path == f"/{bucket}/shared/{model.name}"]
+    parts = [r for r in requests if r.method == "PUT" and "partNumber" in parse_qs(r.query)]
+    numbers = sorted(int(parse_qs(r.query)["partNumber"][0]) for r in parts)
+    assert numbers == list(range(1, -(-model.nbytes // PART) + 1)), numbers  # each once
+    posts = [r for r in requests if r.method == "POST"]
+    assert len(posts) == 2  # one upload created, and completed
+    assert not [r for r in requests if r.method == "PUT" and not r.query]
+    assert uploads_in_progress(bucket) == []
+
+
+def test_a_damaged_part_under_torchrun_fails_every_rank_and_leaves_no_upload(
+    s3, large, bucket, tmp_path
+):
+    damaged, key = damaged_copy(large, tmp_path / "damaged")
+    destination = f"s3://{bucket}/shared-failed"
+    results, _ = _run_shared_upload(tmp_path, damaged, destination, "safetensors", 1)
+    assert all(kind == "DistributedError" for kind, _ in results), results
+    assert all("ChecksumError" in message and key in message for _, message in results), results
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert fs.find(f"{bucket}/shared-failed") == []
+    assert uploads_in_progress(bucket) == []
+
+
+def test_a_joined_upload_hands_its_parts_and_pieces_to_the_one_that_completes_it(s3, bucket):
+    """The upload two ranks share, in one process: the joined side sends the blocks it wrote
+    whole and hands over the rest; the creator takes them, completes, and the object is the
+    bytes. A hand-over cut in other part sizes, or naming a part sent twice, is refused."""
+    import random
+
+    from ckptkit.errors import DestinationError
+    from ckptkit.storage import Storage
+
+    size = 4 * PART + 777
+    data = random.Random(8).randbytes(size)
+    cut = 2 * PART + 12345  # inside the third block: both sides write part of it
+    storage = Storage(f"s3://{bucket}/joined")
+    owner = multipart.RangedUpload(storage, "blob.bin", size)
+    joined = multipart.RangedUpload(storage, "blob.bin", size, upload_id=owner.handle)
+    assert joined.joined and not owner.joined
+    joined.write_at(cut, data[cut:])
+    handover = joined.hand_over()
+    assert sorted(handover.sent) == [3, 4]  # the blocks it wrote whole went up
+    assert [(p, len(b)) for p, b in handover.pieces] == [(cut, 3 * PART - cut)]
+    with pytest.raises(DestinationError, match="parts of"):
+        owner.take_over([multipart.Handover(PART * 2, {}, [])])
+    owner.write_at(0, data[:cut])
+    with pytest.raises(DestinationError, match="written twice"):
+        owner.take_over([multipart.Handover(PART, {0: "etag"}, [])])
+    owner.take_over([handover])
+    owner.close()
+    joined.abort()  # handed over: aborting it is the creator's, not this side's
+    owner.complete()
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{bucket}/joined/blob.bin") == data
     assert uploads_in_progress(bucket) == []

@@ -86,8 +86,9 @@ class Split:
     process or the ranks of a job. ``learned()`` is what the parts run here found out that
     finishing needs (a zip's CRC-32s); ``finish`` (once every part succeeded, in the process
     that publishes the file) takes every process's and says what was written; ``close`` (in
-    every case) releases the file."""
+    every case) releases the file. ``file`` is the file itself (what ranks hand over of it)."""
 
+    file: RangedOutput
     parts: list[Part]
     learned: Callable[[], Any]
     finish: Callable[[list[Any]], list[WrittenFile]]
@@ -325,7 +326,8 @@ class _TorchPlan(_Plan):
         archive = torch_save.RangedZip(structure, output_names.encode_stem(self.group))
         file = open_file(name, archive.size)
         try:
-            archive.write_records(file)
+            if not file.joined:  # the pickle and small records: the rank that opened it
+                archive.write_records(file)
         except BaseException:
             file.close()
             raise
@@ -351,7 +353,7 @@ class _TorchPlan(_Plan):
             )
             for run in runs
         ]
-        return Split(parts, archive.crcs, finish, file.close)
+        return Split(file, parts, archive.crcs, finish, file.close)
 
     def _written(self, name: str, size: int) -> WrittenFile:
         objects = sum(e.kind == "object" for e in self.entries)
@@ -474,7 +476,8 @@ class _SafetensorsPlan(_Plan):
         size = len(header) + sum(item.nbytes for item in items)
         file = open_file(name, size)
         try:
-            file.write_at(0, header)
+            if not file.joined:  # the header: the rank that opened it
+                file.write_at(0, header)
         except BaseException:
             file.close()
             raise
@@ -496,7 +499,7 @@ class _SafetensorsPlan(_Plan):
             )
             for run in work.consecutive_runs([item.nbytes for item in items], n)
         ]
-        return Split(parts, lambda: None, finish, file.close)
+        return Split(file, parts, lambda: None, finish, file.close)
 
     def _index_bytes(self) -> bytes:
         """The HF ``*.safetensors.index.json`` naming each tensor's shard."""

@@ -3,8 +3,8 @@ every rank's into an output staged on every rank and published only when all suc
 the files every rank wrote gathered in plan order.
 
 A file larger than a worker's share is written as byte ranges by several workers: the threads
-of its process, and into a local destination the ranks too (one stages and publishes it, every
-rank opens it and writes its parts; see :func:`run_tasks`).
+of its process, and the ranks too (one stages it or starts its multipart upload and publishes
+it, every rank opens it and writes its parts; see :func:`run_tasks`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import tunables
 from ..dtypes import DType
 from ..errors import DistributedError
-from ..storage import AtomicOutput, RangedFile, Storage, atomic_output
+from ..storage import AtomicOutput, RangedOutput, Storage, atomic_output
 from . import distributed, work
 from .output_plans import Copier, Part, Split, Task, WrittenFile
 from .source import Source
@@ -117,9 +117,14 @@ def run_tasks(
     try:
         units = _open_shared(shared, items, ranks, output, workers, splits, log)
         error = None
+        handed: dict[int, Any] = {}  # what this rank's writes left for a shared file's owner
         try:
             units += _split_large(share, len(items) + len(units), output, workers, splits, log)
             results = work.run(units, write, workers=workers, stop=stop)
+            if ranks is not None:
+                handed = {
+                    i: splits[i].file.hand_over() for i, o in shared.items() if o != ranks.rank
+                }
         except Exception as exc:
             if not shared:
                 raise
@@ -127,10 +132,7 @@ def run_tasks(
         learned = {index: [split.learned()] for index, split in splits.items()}
         if shared:  # every rank's parts are done before the file's owner finishes it
             assert ranks is not None
-            ranks.agree(error, "writing the files the ranks share")
-            found = ranks.all_gather({i: splits[i].learned() for i in shared}, "the shared files")
-            for index in shared:
-                learned[index] = [part[index] for part in found]
+            learned.update(_gather_shared(shared, splits, handed, error, ranks))
         for index, split in splits.items():
             if index not in shared or (ranks is not None and shared[index] == ranks.rank):
                 results[index] = split.finish(learned[index])
@@ -140,14 +142,36 @@ def run_tasks(
     return {index: files for index, files in results.items() if files is not None}
 
 
+def _gather_shared(
+    shared: dict[int, int],
+    splits: dict[int, Split],
+    handed: dict[int, Any],
+    error: BaseException | None,
+    ranks: Ranks,
+) -> dict[int, list[Any]]:
+    """Once every rank wrote its parts of the shared files (or failed: then every rank
+    raises): what each rank's parts learned, by file; the owner of each file takes over what
+    the other ranks' writes left (:meth:`RangedOutput.hand_over`)."""
+    ranks.agree(error, "writing the files the ranks share")
+    mine = {i: (splits[i].learned(), handed.get(i)) for i in shared}
+    found = ranks.all_gather(mine, "the shared files")
+    for index, owner in shared.items():
+        if owner == ranks.rank:
+            splits[index].file.take_over(
+                part[index][1] for rank, part in enumerate(found) if rank != owner
+            )
+    return {index: [part[index][0] for part in found] for index in shared}
+
+
 def _shared_files(
     items: list[work.WorkItem[Task]], ranks: Ranks | None, output: AtomicOutput
 ) -> dict[int, int]:
     """The tasks whose one file every rank writes byte ranges of, and the rank that stages
-    and publishes each (in turn): under several ranks, into a local destination (a file
-    system every rank sees), a file holding more than a rank's share of the bytes (and at
-    least :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`). The same on every rank."""
-    if ranks is None or ranks.world_size == 1 or not output.local:
+    (or starts the upload of) and publishes each, in turn: under several ranks, a file
+    holding more than a rank's share of the bytes (and at least
+    :data:`~ckptkit.tunables.SPLIT_FILE_BYTES`), into a local destination (a file system every
+    rank sees) or as a multipart upload to an object store. The same on every rank."""
+    if ranks is None or ranks.world_size == 1:
         return {}
     total = sum(item.nbytes for item in items)
     indices = [
@@ -156,6 +180,7 @@ def _shared_files(
         if item.task.split is not None
         and item.nbytes >= tunables.SPLIT_FILE_BYTES
         and item.nbytes * ranks.world_size > total
+        and (output.local or output.uploads(item.nbytes))
     ]
     return {index: n % ranks.world_size for n, index in enumerate(indices)}
 
@@ -170,18 +195,19 @@ def _open_shared(
     log: logging.Logger,
 ) -> list[work.WorkItem[Task | Part]]:
     """Open the files the ranks share, collectively (every rank calls it): the owner of each
-    stages it and tells the others where; every rank then opens it too and takes its parts of
+    stages it (or starts its upload) and tells the others its handle; every rank then opens
+    it too and takes its parts of
     ``world_size * workers``, balanced by bytes (numbered after the tasks). The splits are
     recorded in ``splits``; a failure on any rank fails every rank."""
     if not shared:
         return []
     assert ranks is not None
     n_parts = ranks.world_size * workers
-    staged: dict[int, str] = {}  # where this rank staged the files it owns, by task index
+    staged: dict[int, str] = {}  # the handles of the files this rank owns, by task index
 
-    def open_own(index: int, name: str, size: int) -> RangedFile:
+    def open_own(index: int, name: str, size: int) -> RangedOutput:
         file = output.open_ranges(name, size)
-        staged[index] = file.path
+        staged[index] = file.handle
         return file
 
     error = None
@@ -193,12 +219,13 @@ def _open_shared(
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = exc
     ranks.agree(error, "staging the files the ranks share")
-    paths = {i: p for part in ranks.all_gather(staged, "the shared files") for i, p in part.items()}
+    handles = {
+        i: h for part in ranks.all_gather(staged, "the shared files") for i, h in part.items()
+    }
     try:
         for index, owner in shared.items():
             if owner != ranks.rank:
-                path = paths[index]
-                join = functools.partial(_join, output, path)
+                join = functools.partial(_join, output, handles[index])
                 splits[index] = items[index].task.split(join, n_parts)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = exc
@@ -219,9 +246,9 @@ def _open_shared(
     return units
 
 
-def _join(output: AtomicOutput, path: str, name: str, size: int) -> RangedFile:
-    """``output.join_ranges`` with the staged path first (for :func:`functools.partial`)."""
-    return output.join_ranges(name, path, size)
+def _join(output: AtomicOutput, handle: str, name: str, size: int) -> RangedOutput:
+    """``output.join_ranges`` with the handle first (for :func:`functools.partial`)."""
+    return output.join_ranges(name, handle, size)
 
 
 def _split_large(

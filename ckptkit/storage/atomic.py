@@ -218,16 +218,25 @@ class AtomicOutput:
                 raise self._error(name, exc) from exc
         return upload
 
-    def join_ranges(self, name: str, path: str, size: int) -> RangedFile:
-        """The file ``name`` that another process of the same job staged at ``path`` with
+    def join_ranges(self, name: str, handle: str, size: int) -> RangedOutput:
+        """The file ``name`` that another process of the same job opened with
         :meth:`open_ranges` (another rank's output into this destination), opened to write
-        byte ranges of it too; refused unless it is a regular file of ``size`` bytes, never
-        through a link. It stays the other process's to publish."""
+        byte ranges of it too, by its ``handle``: the multipart upload of that id, or locally
+        the file staged at that path (refused unless it is a regular file of ``size`` bytes,
+        never through a link). It stays the other process's to publish."""
+        if self.uploads(size):
+            try:
+                return multipart.RangedUpload(
+                    self.destination, name, size, self._sender, upload_id=handle
+                )
+            except OSError as exc:
+                raise self._error(name, exc) from exc
+        path = handle
         try:
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise self._error(name, exc) from exc
-        file = RangedFile(fd, name, path, self._error)
+        file = RangedFile(fd, name, path, self._error, joined=True)
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode) or status.st_size != size:
             file.close()

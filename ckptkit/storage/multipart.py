@@ -9,6 +9,11 @@ with the writers beside it). The object
 appears, whole, only when the upload is completed (:meth:`RangedUpload.complete`, on publish);
 :meth:`RangedUpload.abort` takes every part back. The upload's id is recorded in the output's
 staging folder (:func:`record_uploads`), so the next run aborts what a killed one left.
+
+The ranks of a job write one upload too: each joins it by its id (``upload_id=``), sends the
+blocks it wrote whole, and hands over the parts it sent and its pieces of the blocks it shares
+with other ranks (:meth:`RangedUpload.hand_over`); the rank that created the upload takes them
+(:meth:`RangedUpload.take_over`), sends those blocks and completes it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 from .. import tunables
@@ -28,6 +34,7 @@ from .store import Storage
 
 __all__ = [
     "MAX_PARTS",
+    "Handover",
     "MIN_PART_BYTES",
     "PARTS_IN_FLIGHT",
     "PartSender",
@@ -96,13 +103,25 @@ class RangedUpload(WritesAtOffsets):
     as ckptkit errors naming the final file."""
 
     def __init__(
-        self, destination: Storage, name: str, size: int, sender: PartSender | None = None
+        self,
+        destination: Storage,
+        name: str,
+        size: int,
+        sender: PartSender | None = None,
+        *,
+        upload_id: str | None = None,
     ) -> None:
         self._destination, self.name, self.size = destination, name, size
         self.block = part_bytes(size)
         bucket, key, _ = destination.fs.split_path(destination.path(name))
         self._where = {"Bucket": bucket, "Key": key}
-        self.upload_id: str = self._call("create_multipart_upload")["UploadId"]
+        #: a new upload is this process's to complete or abort; one joined (``upload_id``,
+        #: another rank's) is handed over to that rank once written (:meth:`hand_over`)
+        self._owned = upload_id is None
+        self.joined = not self._owned
+        if upload_id is None:
+            upload_id = self._call("create_multipart_upload")["UploadId"]
+        self.upload_id: str = upload_id
         self._lock = threading.Lock()
         self._partial: dict[int, list[tuple[int, bytes]]] = {}  # pieces of blocks written in part
         self._filled: dict[int, int] = {}  # their bytes written
@@ -112,6 +131,11 @@ class RangedUpload(WritesAtOffsets):
         self._sender = sender if sender is not None else PartSender()
         self._sending: set[Future] = set()  # this file's parts on their way
         self._failure: BaseException | None = None  # the first part that could not be sent
+
+    @property
+    def handle(self) -> str:
+        """What another rank passes to join this upload (its id)."""
+        return self.upload_id
 
     @property
     def record(self) -> dict[str, str]:
@@ -215,6 +239,42 @@ class RangedUpload(WritesAtOffsets):
         """No more writes (the upload stays open until completed or aborted)."""
         self._closed = True
 
+    def hand_over(self) -> Handover:
+        """Once this process's writes to a joined upload are done: wait for its parts on their
+        way, and say what the rank that completes the upload needs: the parts sent, and the
+        pieces of blocks this process wrote in part (a block another rank writes the rest of)."""
+        self._stop_sending(cancel=False)
+        self._raise_failure()
+        with self._lock:
+            self._closed = self._finished = True
+            sent = dict(self._etags)
+            pieces = [piece for index in sorted(self._partial) for piece in self._partial[index]]
+            self._partial.clear()
+            self._filled.clear()
+        return Handover(self.block, sent, pieces)
+
+    def take_over(self, handovers: Iterable[Any]) -> None:
+        """Take the other ranks' :meth:`hand_over`: their parts as sent, their pieces written
+        here (a block they complete goes up now); a part sent twice, or another part size
+        (tunables that differ between ranks), is refused."""
+        for handover in handovers:
+            if handover.block != self.block:
+                raise DestinationError(
+                    f"{self._destination.describe(self.name)}: another rank cut it in parts "
+                    f"of {handover.block} bytes, this one in {self.block}: the ranks' "
+                    "UPLOAD_PART_BYTES differ"
+                )
+            with self._lock:
+                twice = sorted(set(handover.sent) & (set(self._etags) | set(self._partial)))
+                if twice:
+                    start = self._span(twice[0])[0]
+                    raise DestinationError(
+                        f"{self._destination.describe(self.name)}: bytes at {start} written twice"
+                    )
+                self._etags.update(handover.sent)
+            for position, data in handover.pieces:
+                self.write_at(position, data)
+
     def complete(self) -> None:
         """Upload what no write completed (bytes never written are zeros, as in a pre-sized
         file) and complete the upload: the object appears, whole."""
@@ -234,13 +294,27 @@ class RangedUpload(WritesAtOffsets):
         self._finished = True
 
     def abort(self) -> None:
-        """Take every part back (best effort; again: nothing happens)."""
+        """Take every part back (best effort; again: nothing happens). A joined upload stops
+        sending; aborting it is the rank's that created it."""
         if self._finished:
             return
         self._finished = True
         self._stop_sending(cancel=True)
+        if not self._owned:
+            return
         with contextlib.suppress(Exception):  # the store's own lifecycle rules end what is left
             self._call("abort_multipart_upload")
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a rank that joined an upload leaves for the rank completing it
+    (:meth:`RangedUpload.hand_over`): its part size, the parts it sent (block index → ETag)
+    and the pieces (offset, bytes) of the blocks it wrote in part."""
+
+    block: int
+    sent: dict[int, str | None]
+    pieces: list[tuple[int, bytes]]
 
 
 def _joined(pieces: list[tuple[int, bytes]], start: int, stop: int) -> bytes:

@@ -4,9 +4,9 @@ call on an :class:`~ckptkit.storage.AtomicOutput`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 __all__ = ["Output", "RangedOutput", "Store"]
 
@@ -109,9 +109,27 @@ class Output(Protocol):
 class RangedOutput(Protocol):
     """One output file written at offsets by several threads at once, each its own byte ranges
     (:meth:`Output.open_ranges <ckptkit.storage.AtomicOutput.open_ranges>`: a staged
-    :class:`~ckptkit.storage.RangedFile`, or a multipart upload to an object store)."""
+    :class:`~ckptkit.storage.RangedFile`, or a multipart upload to an object store), and by
+    the ranks of a job: each joins it by its :attr:`handle`, hands over what its writes left
+    (:meth:`hand_over`) and the rank that publishes it takes that over (:meth:`take_over`)."""
 
     name: str
+    #: Opened by another rank than the one that publishes it (``join_ranges``): that rank
+    #: writes what is not in a part (a header).
+    joined: bool
+
+    @property
+    def handle(self) -> str:
+        """What another rank passes to join this file (a staged path, an upload id)."""
+        ...
+
+    def hand_over(self) -> Any:
+        """Once this rank's writes are done: what the publishing rank needs of them."""
+        ...
+
+    def take_over(self, handovers: Iterable[Any]) -> None:
+        """Take the other ranks' :meth:`hand_over`, before finishing the file."""
+        ...
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
         """Write all of ``data`` at ``offset``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 from ..errors import CheckpointError, DestinationError
@@ -39,10 +39,16 @@ class RangedFile(WritesAtOffsets):
     as :class:`DestinationError` naming the final file."""
 
     def __init__(
-        self, fd: int, name: str, path: str, error: Callable[[str, OSError], DestinationError]
+        self,
+        fd: int,
+        name: str,
+        path: str,
+        error: Callable[[str, OSError], DestinationError],
+        joined: bool = False,
     ) -> None:
         self._fd: int | None = fd
         self.name, self.path, self._error = name, path, error
+        self.joined = joined  # another rank's file, opened to write parts of it too
         self._lock = threading.Lock()
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
@@ -57,6 +63,17 @@ class RangedFile(WritesAtOffsets):
                 view, offset = view[done:], offset + done
         except OSError as exc:
             raise self._error(self.name, exc) from exc
+
+    @property
+    def handle(self) -> str:
+        """What another rank passes to join this file: its staged path."""
+        return self.path
+
+    def hand_over(self) -> None:
+        """Nothing: every rank's bytes are in the file already."""
+
+    def take_over(self, handovers: Iterable[Any]) -> None:
+        """Nothing to take: every rank wrote in place."""
 
     def close(self) -> None:
         """Close the file (again: nothing happens)."""
