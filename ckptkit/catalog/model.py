@@ -371,9 +371,13 @@ class CatalogBuilder:
         entries of a model kept under another key marked as group ``model``
         (:func:`~ckptkit.catalog.keys.model_root`)."""
         files = dict(self._files)
-        for entry in self.entries.values():
-            _check_entry(entry, self.format)
-            files.update((c.record.file, None) for c in entry.chunks if c.record is not None)
+        entries = list(self.entries.values())
+        if not _all_well_formed(entries):
+            for entry in entries:  # find the first culprit, for the message
+                _check_entry(entry, self.format)
+        files.update(
+            (c.record.file, None) for e in entries for c in e.chunks if c.record is not None
+        )
         return Catalog(
             self.format,
             MappingProxyType(_with_model_group(self.entries)),
@@ -395,6 +399,42 @@ def _with_model_group(entries: dict[str, Entry]) -> dict[str, Entry]:
         if entry.model_depth != wanted:
             entries[key] = dataclasses.replace(entry, model_depth=wanted)
     return entries
+
+
+def _all_well_formed(entries: list[Entry]) -> bool:
+    """What :func:`_check_entry` checks, for all ``entries`` at once and column-wise in C
+    builtins (a DCP of 50k small tensors has 50k entries): False when any might fail, so the
+    entries are then checked one by one to name the first that does."""
+    if {*map(type, map(_KEY, entries))} - {str}:
+        return False
+    parts = [part for entry in entries for part in entry.path]
+    if not all(map(_PATH, entries)) or not _names_or_naturals(parts):
+        return False
+    tensors = [e for e in entries if e.kind == "tensor"]
+    objects = [e for e in entries if e.kind == "object"]
+    if len(tensors) + len(objects) != len(entries):
+        return False
+    if any(e.dtype is not None or not e.chunks or e.chunks[0].record is None for e in objects):
+        return False
+    if {*map(type, map(_DTYPE, tensors))} - {DType}:
+        return False
+    shapes = list(map(_SHAPE, tensors))
+    if {*map(type, shapes)} - {tuple} or not _naturals([d for shape in shapes for d in shape]):
+        return False
+    by_ndim: dict[int, list[Chunk]] = {}
+    for entry in tensors:
+        if entry.chunks:
+            by_ndim.setdefault(len(entry.shape), []).extend(entry.chunks)
+    if not all(_boxes_well_formed(tuple(c), ndim) for ndim, c in by_ndim.items()):
+        return False
+    records = [c.record for e in entries for c in e.chunks if c.record is not None]
+    return not records or _records_well_formed(records)
+
+
+def _names_or_naturals(parts: list) -> bool:
+    """Every part a str or a non-negative int (column-wise)."""
+    numbers = [p for p in parts if type(p) is not str]
+    return {*map(type, numbers)} <= {int} and (not numbers or min(numbers) >= 0)
 
 
 def _check_entry(entry: Entry, source: str) -> None:
@@ -483,6 +523,10 @@ def _box_ok(chunk: Chunk, dims: int) -> bool:
     )
 
 
+_KEY = attrgetter("key")
+_PATH = attrgetter("path")
+_DTYPE = attrgetter("dtype")
+_SHAPE = attrgetter("shape")
 _FILE = attrgetter("file")
 _OFFSET = attrgetter("offset")
 _LENGTH = attrgetter("length")

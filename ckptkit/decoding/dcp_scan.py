@@ -166,7 +166,7 @@ def scan_dcp_metadata(
     classes: ColumnClasses,
     limits: Limits,
     source: str,
-    generic_budget: int = 200_000,
+    generic_budget: int = 50_000,
 ) -> ScanResult:
     """Decode the DCP metadata pickle ``data`` (see the module doc), resolving globals only
     through ``allow`` (a ``torch.Size`` global must be ``tuple``, as in the allowlists here).
@@ -306,7 +306,7 @@ class _Machine:
         stack: list[Any] = []
         marks: list[int] = []
         pos, end, frame_end = 2, n, -1
-        steps, checkpoint = 0, 1 << 16
+        steps, checkpoint = 0, 1 << 14
         special = _SPECIAL
         while True:
             if pos == frame_end:
@@ -317,7 +317,7 @@ class _Machine:
             steps += 1
             if steps >= checkpoint:
                 self.check_budget(steps)
-                checkpoint += 1 << 16
+                checkpoint += 1 << 14
             if op == 0x94:  # MEMOIZE
                 if len(stack) <= (marks[-1] if marks else 0):
                     raise decline("MEMOIZE on an empty stack")
