@@ -11,6 +11,7 @@ __all__ = [
     "SEQUENTIAL_PIECE",
     "SMALL_FILE_LIMIT",
     "SPLIT_FILE_BYTES",
+    "UPLOAD_PARTS_IN_FLIGHT",
     "UPLOAD_PART_BYTES",
     "WORK_LIMIT",
 ]
@@ -43,6 +44,9 @@ SPLIT_FILE_BYTES = 64 << 20
 #: Such a file going to an object store (S3) is uploaded in parts of this size as its bytes are
 #: written, never staged on local disk (larger for files past 10,000 parts, the protocol's bound).
 UPLOAD_PART_BYTES = 16 << 20
+#: Parts of one output's uploads travelling at once, their bytes held meanwhile (memory: about
+#: this many parts, twice): more overlaps more of the network's latency.
+UPLOAD_PARTS_IN_FLIGHT = 4
 #: Elements handled at once by diff, stats, plots and the browser; float64 working arrays then
 #: stay at a few × 8 MB.
 BLOCK_ELEMENTS = 1 << 20

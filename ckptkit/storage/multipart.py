@@ -3,12 +3,12 @@ s3fs), written at offsets by several threads at once, as a :class:`.RangedFile` 
 
 The file is cut into blocks of one part each (:func:`part_bytes`). A block is sent as its part
 as soon as all its bytes are written (gathered in memory unless one write covers it), in the
-background, at most :data:`PARTS_IN_FLIGHT` at a time: nothing is staged on local disk, and
-memory holds the parts travelling plus the block each writer is in (and the blocks it shares
-with the writers beside it). The object
-appears, whole, only when the upload is completed (:meth:`RangedUpload.complete`, on publish);
-:meth:`RangedUpload.abort` takes every part back. The upload's id is recorded in the output's
-staging folder (:func:`record_uploads`), so the next run aborts what a killed one left.
+background, at most :data:`~ckptkit.tunables.UPLOAD_PARTS_IN_FLIGHT` at a time: nothing is
+staged on local disk, and memory holds the parts travelling plus the block each writer is in
+(and the blocks it shares with the writers beside it). The object appears, whole, only when
+the upload is completed (:meth:`RangedUpload.complete`, on publish); :meth:`RangedUpload.abort`
+takes every part back. The upload's id is recorded in the output's staging folder
+(:func:`record_uploads`), so the next run aborts what a killed one left.
 
 The ranks of a job write one upload too: each joins it by its id (``upload_id=``), sends the
 blocks it wrote whole, and hands over the parts it sent and its pieces of the blocks it shares
@@ -36,7 +36,6 @@ __all__ = [
     "MAX_PARTS",
     "Handover",
     "MIN_PART_BYTES",
-    "PARTS_IN_FLIGHT",
     "PartSender",
     "UPLOADS_FILE",
     "RangedUpload",
@@ -49,9 +48,6 @@ __all__ = [
 #: The S3 protocol's bounds: every part but the last at least this large, at most this many.
 MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
-#: Parts of one output's uploads travelling at once (their bytes held meanwhile), so writers
-#: go on writing while their parts are sent.
-PARTS_IN_FLIGHT = 4
 #: The file in a staging folder listing its uploads in progress (for the next run to abort).
 UPLOADS_FILE = ".ckptkit-uploads.json"  # a reserved name: no output takes it
 
@@ -71,11 +67,13 @@ def part_bytes(size: int) -> int:
 
 
 class PartSender:
-    """The parts of one output's uploads on their way: at most :data:`PARTS_IN_FLIGHT` at a
-    time whatever the number of files (their bytes held meanwhile), on one pool's threads."""
+    """The parts of one output's uploads on their way: at most
+    :data:`~ckptkit.tunables.UPLOAD_PARTS_IN_FLIGHT` at a time whatever the number of files
+    (their bytes held meanwhile), on one pool's threads."""
 
     def __init__(self) -> None:
-        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+        self._in_flight = max(1, tunables.UPLOAD_PARTS_IN_FLIGHT)
+        self._slots = threading.BoundedSemaphore(self._in_flight)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # made for the first part
 
@@ -84,7 +82,7 @@ class PartSender:
         self._slots.acquire()
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, "ckptkit-upload")
+                self._pool = ThreadPoolExecutor(self._in_flight, "ckptkit-upload")
             future = self._pool.submit(send, *args)
         future.add_done_callback(lambda _: self._slots.release())  # cancelled ones too
         return future
@@ -198,7 +196,7 @@ class RangedUpload(WritesAtOffsets):
 
     def _upload(self, index: int, body: memoryview | bytes) -> None:
         """Send block ``index`` in the background (its bytes copied: the writer's buffer is
-        reused once this returns); waits while :data:`PARTS_IN_FLIGHT` parts of the output
+        reused once this returns); waits while :data:`~ckptkit.tunables.UPLOAD_PARTS_IN_FLIGHT` parts of the output
         travel."""
         self._raise_failure()
         data = body if isinstance(body, bytes) else bytes(body)
