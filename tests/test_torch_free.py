@@ -115,6 +115,36 @@ def test_pickled_state_dict_is_byte_identical_to_torch_save():
     assert torch_save.dumps(slots)[0] == expected
 
 
+def test_a_pickle_of_many_tensors_is_byte_identical_to_torch_save():
+    """Past 256 memo entries (where every tensor of a known dtype and shape is written from a
+    template): still torch.save's ``data.pkl``, opcode for opcode, for every storage kind,
+    0-d tensors, shapes and dtypes met again after others, and keys of any length."""
+    import io
+    import zipfile
+
+    import torch
+
+    from ckptkit.ops.writers import torch_save
+
+    kinds = [
+        (torch.float32, (4, 8)),
+        (torch.float8_e4m3fn, (3,)),
+        (torch.bfloat16, (2, 1, 5)),
+        (torch.float64, ()),
+        (torch.uint16, (70000,)),
+        (torch.int64, (1, 2, 3, 4, 300)),
+    ]
+    state = {}
+    for i in range(600):
+        dtype, shape = kinds[(i * 7) % len(kinds)]
+        state[f"layers.{i}.w" + "x" * (i % 300)] = torch.zeros(shape, dtype=dtype)
+    state["nested"] = {"list": [torch.ones(2), 3, "y"], "more": torch.ones(4, 8)}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    expected = zipfile.ZipFile(buffer).read("archive/data.pkl")
+    assert torch_save.dumps(state)[0] == expected
+
+
 def _lookup(value, path):
     for part in path:
         value = value[part] if isinstance(value, dict) else value[int(part)]

@@ -348,6 +348,10 @@ def _shape_opcodes(shape: tuple[int, ...]) -> tuple[bytes, bytes]:
     return _ints_opcodes(shape), _ints_opcodes(_contiguous_strides(shape))
 
 
+#: A 4-byte little-endian length or memo index, as pickle opcodes write them.
+_UINT32 = struct.Struct("<I")
+
+
 def _put_opcode(index: int) -> bytes:
     """What ``memoize`` writes at protocol 2 for memo entry ``index``."""
     if index < 256:
@@ -434,6 +438,8 @@ class _TorchPickler(pickle._Pickler):
         super().__init__(stream, protocol=2)
         self.slots = slots
         self._refs: dict[int, bytes] = {}  # memo reference opcodes of objects save_slot names
+        #: per (dtype, shape): a slot's opcodes between its memo puts (see _save_slot_templated)
+        self._templates: dict[tuple[str, tuple[int, ...]], tuple[bytes, ...] | None] = {}
         torch = sys.modules.get("torch")  # tensors can only be in memory if it is imported
         self.tensor_type = torch.Tensor if torch is not None else None
         if torch is not None:
@@ -469,9 +475,11 @@ class _TorchPickler(pickle._Pickler):
         if not slot.key:
             slot.key = str(len(self.slots))
             self.slots.append(slot)
+        memo = self.memo
+        if len(memo) >= 256 and self._save_slot_templated(slot):
+            return
         parts: list[bytes] = []
         ref = self._ref
-        memo = self.memo
         untyped = slot.dtype.storage is None  # fp8, uint16…: untyped bytes plus the dtype
         ref(parts, _REBUILD_V3 if untyped else _REBUILD_V2)
         pid = self.persistent_id(_StorageId(slot))  # saved as save_tuple saves it
@@ -512,6 +520,82 @@ class _TorchPickler(pickle._Pickler):
         parts.append(pickle.REDUCE + _put_opcode(len(memo)))
         memo[id(slot)] = len(memo), slot
         self.write(b"".join(parts))
+
+    def _save_slot_templated(self, slot: TensorSlot) -> bool:
+        """:meth:`save_slot` once the memo holds 256 entries (every put then a 4-byte
+        ``LONG_BINPUT``) and every global it names is a memo reference: the same bytes, as the
+        slot's (dtype, shape) template with its key and seven memo indices filled in (a pickle
+        of 50k small tensors spent most of its time in the opcode-by-opcode path). False when
+        there is no template yet: the caller takes that path."""
+        key = slot.key
+        memo = self.memo
+        if type(key) is not str or id(key) in memo:
+            return False
+        at = (slot.dtype.name, slot.shape)
+        template = self._templates.get(at, False)
+        if template is False:
+            template = self._templates[at] = self._slot_template(slot)
+        if template is None:
+            return False
+        head, after_key, after_pid, after_shape, after_stride, after_hooks, after_args = template
+        encoded = key.encode("utf-8", "surrogatepass")
+        m = len(memo)
+        index = _UINT32.pack
+        self.write(
+            b"".join(
+                (
+                    head,  # … BINUNICODE
+                    index(len(encoded)),
+                    encoded,
+                    pickle.LONG_BINPUT,  # every fragment below ends in one too
+                    index(m),
+                    after_key,
+                    index(m + 1),  # the pid tuple
+                    after_pid,
+                    index(m + 2),  # the shape
+                    after_shape,
+                    index(m + 3),  # the stride
+                    after_stride,
+                    index(m + 4),  # the backward hooks
+                    after_hooks,
+                    index(m + 5),  # the arguments
+                    after_args,
+                    index(m + 6),  # the tensor
+                )
+            )
+        )
+        memo[id(key)] = m, key
+        for index in range(m + 1, m + 6):  # objects save_reduce would memoize, none kept
+            memo[-index] = index, None  # a key no id() can be
+        memo[id(slot)] = m + 6, slot
+        return True
+
+    def _slot_template(self, slot: TensorSlot) -> tuple[bytes, ...] | None:
+        """The fixed opcodes of a slot of ``slot``'s dtype and shape between its memo puts
+        (:meth:`_save_slot_templated`), from the references :meth:`save_slot` kept; None
+        while a global it names is not one yet, or for a 0-d tensor (its shape is not
+        memoized)."""
+        if not slot.shape:
+            return None
+        untyped = slot.dtype.storage is None
+        pid = self.persistent_id(_StorageId(slot))
+        named = [_REBUILD_V3 if untyped else _REBUILD_V2, pid[0], pid[1], pid[3], _ORDERED_DICT]
+        if untyped:
+            named.append(_DTYPES[slot.dtype.name])
+        refs = [self._refs.get(id(obj)) for obj in named]
+        if None in refs:
+            return None
+        shape_ops, stride_ops = _shape_opcodes(slot.shape)
+        put = pickle.LONG_BINPUT
+        return (
+            refs[0] + pickle.MARK + pickle.MARK + refs[1] + refs[2] + pickle.BINUNICODE,
+            refs[3] + _int_opcodes(pid[4]) + pickle.TUPLE + put,
+            pickle.BINPERSID + pickle.BININT1 + b"\0" + shape_ops + put,
+            stride_ops + put,
+            pickle.NEWFALSE + refs[4] + pickle.EMPTY_TUPLE + pickle.REDUCE + put,
+            (refs[5] if untyped else b"") + pickle.TUPLE + put,
+            pickle.REDUCE + put,
+        )
 
     def _ref(self, parts: list[bytes], obj: Any, *, remember: bool = True) -> None:
         """``save(obj)`` into ``parts``: a memo reference when ``obj`` was saved before (its
