@@ -19,6 +19,7 @@ from ..catalog import output_names
 from ..catalog.keys import MODEL_GROUP
 from ..catalog.model import Entry, refuse_tensors_left_as_objects
 from ..decoding.bounded_repr import bounded_repr
+from ..decoding.unpickler import paused_gc
 from ..errors import (
     FormatError,
     MissingFileError,
@@ -345,15 +346,17 @@ def _transfer(src: str | Source, dst: str, *, target: Target, options: _Options)
     result = UnshardResult(destination.describe())
     entries, values = _selected_values(source, options, result)
     with distributed.joined() as ranks:  # a collective: every rank writes its share
-        if target == "dcp":  # a data file per rank and worker, as torch's writer has per rank
-            n_files = (ranks.world_size if ranks is not None else 1) * options.workers
-            tasks = output_plans.dcp_tasks(entries, values, n_files)
-        elif options.names == "transformers":
-            tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
-            for key, kept in tied.items():
-                result.dropped[key] = f"the same stored bytes as {kept!r} (tied): written once"
-        else:
-            tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
+        # the plan: a few objects per entry, no cycle; kept for the job (see paused_gc)
+        with paused_gc(promote=True):
+            if target == "dcp":  # a data file per rank and worker, as torch's has per rank
+                n_files = (ranks.world_size if ranks is not None else 1) * options.workers
+                tasks = output_plans.dcp_tasks(entries, values, n_files)
+            elif options.names == "transformers":
+                tasks, tied = output_plans.transformers_tasks(entries, values, limit, cast)
+                for key, kept in tied.items():
+                    result.dropped[key] = f"the same stored bytes as {kept!r} (tied): written once"
+            else:
+                tasks = output_plans.unsharded_tasks(entries, values, target, limit, cast)
         names = [name for task in tasks for name in task.names]
         total = sum(task.nbytes for task in tasks)
         label = "convert" if target == "dcp" else "unshard"

@@ -19,6 +19,7 @@ from .. import dtypes
 from ..catalog import output_names
 from ..catalog.keys import MODEL_GROUP, nest
 from ..catalog.model import Chunk, Entry
+from ..decoding.unpickler import paused_gc
 from ..dtypes import DType
 from ..extras import require
 from ..reading import Reader
@@ -377,14 +378,15 @@ def _structure(
     itself a leaf: its own; the model's own keys for a model kept under another key)."""
     streamed: dict[int, Entry] = {}
     items = []
-    for entry in entries:
-        if entry.kind == "object":
-            value = values[entry.key]
-        else:
-            value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
-            streamed[id(value)] = entry
-        items.append((entry.inner_path, value))
-    nested = nest(items)
+    with paused_gc():  # an object or two per entry, no cycle: see paused_gc
+        for entry in entries:
+            if entry.kind == "object":
+                value = values[entry.key]
+            else:
+                value = torch_save.TensorSlot(_out_dtype(entry.dtype, cast), entry.shape)
+                streamed[id(value)] = entry
+            items.append((entry.inner_path, value))
+        nested = nest(items)
     if len(entries) == 1 and len(entries[0].path) == 1 and entries[0].model_depth is None:
         nested = next(iter(nested.values()))  # a group that is itself a leaf
     return nested, streamed
