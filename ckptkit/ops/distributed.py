@@ -69,6 +69,19 @@ class Ranks:
             raise DistributedError(f"rank lost during {what}: {_first_line(exc)}") from exc
         return gathered
 
+    def gather(self, value: Any, to: int, what: str = "gather") -> list[Any] | None:
+        """Every rank's ``value`` (picklable) on rank ``to``, indexed by rank (None on the
+        others): what only one rank needs, not sent to all; a lost rank raises
+        :class:`DistributedError` naming ``what``."""
+        import torch.distributed as dist
+
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        try:  # the group spans every rank in order: its ranks are the global ones
+            dist.gather_object(value, gathered, dst=to, group=self.group)
+        except RuntimeError as exc:  # gloo: connection closed by a dead peer, or timed out
+            raise DistributedError(f"rank lost during {what}: {_first_line(exc)}") from exc
+        return gathered
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """All-or-nothing: every rank calls it with its own outcome (``None`` for success);
         if any rank failed, every rank raises :class:`DistributedError` naming the first failing

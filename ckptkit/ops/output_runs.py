@@ -153,14 +153,15 @@ def _gather_shared(
     raises): what each rank's parts learned, by file; the owner of each file takes over what
     the other ranks' writes left (:meth:`RangedOutput.hand_over`)."""
     ranks.agree(error, "writing the files the ranks share")
-    mine = {i: (splits[i].learned(), handed.get(i)) for i in shared}
-    found = ranks.all_gather(mine, "the shared files")
-    for index, owner in shared.items():
-        if owner == ranks.rank:
-            splits[index].file.take_over(
-                part[index][1] for rank, part in enumerate(found) if rank != owner
-            )
-    return {index: [part[index][0] for part in found] for index in shared}
+    found = ranks.all_gather({i: splits[i].learned() for i in shared}, "the shared files")
+    received = {}  # what the other ranks handed over of the files this rank owns
+    for index, owner in shared.items():  # every gather first: the same calls on every rank
+        handovers = ranks.gather(handed.get(index), owner, "what the ranks wrote of a file")
+        if handovers is not None:
+            received[index] = [h for rank, h in enumerate(handovers) if rank != owner]
+    for index, handovers in received.items():
+        splits[index].file.take_over(handovers)
+    return {index: [part[index] for part in found] for index in shared}
 
 
 def _shared_files(
