@@ -196,19 +196,18 @@ def _open_shared(
     log: logging.Logger,
 ) -> list[work.WorkItem[Task | Part]]:
     """Open the files the ranks share, collectively (every rank calls it): the owner of each
-    stages it (or starts its upload) and tells the others its handle; every rank then opens
-    it too and takes its parts of
-    ``world_size * workers``, balanced by bytes (numbered after the tasks). The splits are
-    recorded in ``splits``; a failure on any rank fails every rank."""
+    stages it (or starts its upload) and tells the others its handle; every rank then opens it
+    too and takes its parts of ``world_size * workers``, balanced by bytes (numbered after the
+    tasks). The splits are recorded in ``splits``; a failure on any rank fails every rank."""
     if not shared:
         return []
     assert ranks is not None
     n_parts = ranks.world_size * workers
-    staged: dict[int, str] = {}  # the handles of the files this rank owns, by task index
+    owned: dict[int, str] = {}  # the handles of the files this rank owns, by task index
 
     def open_own(index: int, name: str, size: int) -> RangedOutput:
         file = output.open_ranges(name, size)
-        staged[index] = file.handle
+        owned[index] = file.handle
         return file
 
     error = None
@@ -221,7 +220,7 @@ def _open_shared(
         error = exc
     ranks.agree(error, "staging the files the ranks share")
     handles = {
-        i: h for part in ranks.all_gather(staged, "the shared files") for i, h in part.items()
+        i: h for part in ranks.all_gather(owned, "the shared files") for i, h in part.items()
     }
     try:
         for index, owner in shared.items():

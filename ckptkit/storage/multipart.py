@@ -196,8 +196,8 @@ class RangedUpload(WritesAtOffsets):
 
     def _upload(self, index: int, body: memoryview | bytes) -> None:
         """Send block ``index`` in the background (its bytes copied: the writer's buffer is
-        reused once this returns); waits while :data:`~ckptkit.tunables.UPLOAD_PARTS_IN_FLIGHT` parts of the output
-        travel."""
+        reused once this returns); waits while the output's
+        :data:`~ckptkit.tunables.UPLOAD_PARTS_IN_FLIGHT` parts travel."""
         self._raise_failure()
         data = body if isinstance(body, bytes) else bytes(body)
         future = self._sender.submit(self._send, index, data)

@@ -565,8 +565,8 @@ class _TorchPickler(pickle._Pickler):
             )
         )
         memo[id(key)] = m, key
-        for index in range(m + 1, m + 6):  # objects save_reduce would memoize, none kept
-            memo[-index] = index, None  # a key no id() can be
+        for at in range(m + 1, m + 6):  # objects save_reduce would memoize, none kept
+            memo[-at] = at, None  # a key no id() can be
         memo[id(slot)] = m + 6, slot
         return True
 
