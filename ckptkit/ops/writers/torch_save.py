@@ -537,44 +537,26 @@ class _TorchPickler(pickle._Pickler):
             template = self._templates[at] = self._slot_template(slot)
         if template is None:
             return False
-        head, after_key, after_pid, after_shape, after_stride, after_hooks, after_args = template
         encoded = key.encode("utf-8", "surrogatepass")
         m = len(memo)
         index = _UINT32.pack
-        self.write(
-            b"".join(
-                (
-                    head,  # … BINUNICODE
-                    index(len(encoded)),
-                    encoded,
-                    pickle.LONG_BINPUT,  # every fragment below ends in one too
-                    index(m),
-                    after_key,
-                    index(m + 1),  # the pid tuple
-                    after_pid,
-                    index(m + 2),  # the shape
-                    after_shape,
-                    index(m + 3),  # the stride
-                    after_stride,
-                    index(m + 4),  # the backward hooks
-                    after_hooks,
-                    index(m + 5),  # the arguments
-                    after_args,
-                    index(m + 6),  # the tensor
-                )
-            )
-        )
+        # the key, then each fragment (ending in LONG_BINPUT) with the index it puts: the pid
+        # tuple, the shape, the stride, the backward hooks, the arguments, the tensor
+        parts = [template[0], index(len(encoded)), encoded, pickle.LONG_BINPUT, index(m)]
+        for put, fragment in enumerate(template[1:], m + 1):
+            parts += (fragment, index(put))
+        self.write(b"".join(parts))
         memo[id(key)] = m, key
-        for at in range(m + 1, m + 6):  # objects save_reduce would memoize, none kept
-            memo[-at] = at, None  # a key no id() can be
+        for put in range(m + 1, m + 6):  # objects save_reduce would memoize, none kept
+            memo[-put] = put, None  # a key no id() can be
         memo[id(slot)] = m + 6, slot
         return True
 
     def _slot_template(self, slot: TensorSlot) -> tuple[bytes, ...] | None:
         """The fixed opcodes of a slot of ``slot``'s dtype and shape between its memo puts
-        (:meth:`_save_slot_templated`), from the references :meth:`save_slot` kept; None
-        while a global it names is not one yet, or for a 0-d tensor (its shape is not
-        memoized)."""
+        (:meth:`_save_slot_templated`): up to the key's ``BINUNICODE``, then six fragments
+        each ending in ``LONG_BINPUT``; from the references :meth:`save_slot` kept. None while
+        a global it names is not one yet, or for a 0-d tensor (its shape is not memoized)."""
         if not slot.shape:
             return None
         untyped = slot.dtype.storage is None
